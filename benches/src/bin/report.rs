@@ -1,0 +1,104 @@
+//! The end-to-end latency report: runs each measured path many times and
+//! prints p50/p99 (and min/max) as a Markdown table for docs/benchmarks.md.
+//!
+//! `cargo run --release -p sprout-benches --bin report -- [RUNS]` (default 200)
+
+use std::time::{Duration, Instant};
+
+use guest_abi::mailbox as mb;
+use vmm::{ConsoleBuffer, SerialOutput, Vm, VmConfig};
+
+fn config(console: &ConsoleBuffer, vcpus: u8) -> VmConfig {
+    let mut c = VmConfig::new(testguest_build::TESTGUEST_PATH);
+    c.vcpus = vcpus;
+    c.mem_mib = 256;
+    c.serial = SerialOutput::Buffer(console.clone());
+    c
+}
+
+fn row(name: &str, mut v: Vec<Duration>) {
+    v.sort();
+    let pct = |p: f64| {
+        let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+        v[i]
+    };
+    let ms = |d: Duration| format!("{:.3}", d.as_secs_f64() * 1e3);
+    println!(
+        "| {name} | {} | {} | {} | {} | {} |",
+        v.len(),
+        ms(pct(0.5)),
+        ms(pct(0.99)),
+        ms(v[0]),
+        ms(v[v.len() - 1])
+    );
+}
+
+fn main() -> anyhow::Result<()> {
+    let runs: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(200);
+    println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+
+    let mut create = Vec::with_capacity(runs);
+    let mut boot = Vec::with_capacity(runs);
+    let mut ready = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let console = ConsoleBuffer::new(4096);
+        let t = Instant::now();
+        let mut vm = Vm::create(config(&console, 1))?;
+        create.push(t.elapsed());
+        let t = Instant::now();
+        vm.resume()?;
+        while !console.text().contains('\n') {
+            anyhow::ensure!(t.elapsed() < Duration::from_secs(30), "no console line");
+            std::hint::spin_loop();
+        }
+        boot.push(t.elapsed());
+        vm.mailbox()
+            .expect("mailbox")
+            .wait_ready(0, Duration::from_secs(30))?;
+        ready.push(t.elapsed());
+    }
+    row(
+        "VM create (KVM VM, 256 MiB, devices, 1 vCPU thread; no guest code)",
+        create,
+    );
+    row(
+        "boot to first serial line (emulated guest supervisor code)",
+        boot,
+    );
+    row(
+        "boot to mailbox ready (emulated guest supervisor code)",
+        ready,
+    );
+
+    for vcpus in [1u8, 2] {
+        let console = ConsoleBuffer::new(4096);
+        let vm = Vm::start(config(&console, vcpus))?;
+        let m = vm.mailbox().expect("mailbox");
+        let cpu = vcpus - 1;
+        m.wait_ready(cpu, Duration::from_secs(30))?;
+        let mut rt = Vec::with_capacity(runs * 5);
+        for i in 0..runs * 5 {
+            let t = Instant::now();
+            let r = m.call(
+                cpu,
+                mb::CMD_ECHO,
+                [i as u64, 0, 0, 0],
+                Duration::from_secs(10),
+            )?;
+            rt.push(t.elapsed());
+            anyhow::ensure!(r.rets[0] == i as u64, "bad echo");
+        }
+        row(
+            &format!(
+                "mailbox round trip, idle guest, vCPU {cpu} of {vcpus} (wake from HLT: emulated)"
+            ),
+            rt,
+        );
+    }
+    Ok(())
+}

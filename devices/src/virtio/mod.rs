@@ -1,0 +1,128 @@
+//! virtio devices and the virtio-mmio transport they are reached through.
+//!
+//! A device implements [`VirtioDevice`] (what the transport needs) and
+//! `event_manager::MutEventSubscriber` (its queue and backend events, handled on
+//! the VMM's event-loop thread). The device owns one [`EventFd`] per queue: the VMM
+//! registers each with KVM as an ioeventfd on the transport's QueueNotify register,
+//! and the transport also writes it when a notify reaches it as an MMIO exit.
+
+use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+pub use vm_memory::GuestMemoryMmap;
+
+pub mod block;
+pub mod mmio;
+pub mod rng;
+pub mod vsock;
+
+/// virtio device ids.
+pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_RNG: u32 = 4;
+pub const TYPE_VSOCK: u32 = 19;
+
+/// Interrupt status bits (virtio-mmio InterruptStatus).
+pub const INT_VRING: u32 = 0x1;
+pub const INT_CONFIG: u32 = 0x2;
+
+/// Feature bit every device offers: the device is virtio 1.x.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+
+/// A device's interrupt line: a status word the transport exposes, and an
+/// eventfd the VMM routes to the device's GSI with KVM irqfd.
+#[derive(Debug)]
+pub struct Interrupt {
+    status: AtomicU32,
+    evt: EventFd,
+}
+
+impl Interrupt {
+    pub fn new() -> io::Result<Self> {
+        Ok(Self {
+            status: AtomicU32::new(0),
+            evt: EventFd::new(EFD_NONBLOCK)?,
+        })
+    }
+
+    /// Sets `kind` (`INT_VRING` or `INT_CONFIG`) in the status and raises the line.
+    pub fn trigger(&self, kind: u32) -> io::Result<()> {
+        self.status.fetch_or(kind, Ordering::SeqCst);
+        self.evt.write(1)
+    }
+
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// The guest acknowledged these bits.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    pub fn clear(&self) {
+        self.status.store(0, Ordering::SeqCst);
+    }
+
+    pub fn eventfd(&self) -> &EventFd {
+        &self.evt
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    #[error("Device needs {expected} queues, driver set up {got}")]
+    QueueCount { expected: usize, got: usize },
+    #[error("Device backend failed to start")]
+    Backend(#[source] io::Error),
+}
+
+/// What the virtio-mmio transport needs from a device.
+pub trait VirtioDevice: Send {
+    /// One of the `TYPE_*` ids.
+    fn device_type(&self) -> u32;
+    /// Largest size of each queue; its length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits the device offers (include `VIRTIO_F_VERSION_1`).
+    fn avail_features(&self) -> u64;
+    /// Reads device config space; bytes past its end read as zero.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes device config space; the default ignores writes.
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// The driver set DRIVER_OK: start serving these queues with the negotiated features.
+    fn activate(
+        &mut self,
+        mem: GuestMemoryMmap,
+        acked_features: u64,
+        queues: Vec<Queue>,
+    ) -> Result<(), ActivateError>;
+    /// The driver wrote 0 to Status: drop the queues and go back to the initial state.
+    fn reset(&mut self);
+    /// One eventfd per queue, signalled when the driver notifies that queue.
+    fn queue_events(&self) -> &[EventFd];
+    /// The device's interrupt line.
+    fn interrupt(&self) -> &Interrupt;
+    /// The device hit a guest error it cannot serve past (DEVICE_NEEDS_RESET).
+    fn needs_reset(&self) -> bool {
+        false
+    }
+    fn is_activated(&self) -> bool;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interrupt_status_and_ack() {
+        let i = Interrupt::new().unwrap();
+        i.trigger(INT_VRING).unwrap();
+        i.trigger(INT_CONFIG).unwrap();
+        assert_eq!(i.status(), INT_VRING | INT_CONFIG);
+        assert_eq!(i.eventfd().read().unwrap(), 2);
+        i.ack(INT_VRING);
+        assert_eq!(i.status(), INT_CONFIG);
+    }
+}

@@ -1,0 +1,194 @@
+//! The control socket of `sprout vm run --api-sock PATH`: a Unix socket taking
+//! one text command per line and answering one line, `ok ...` or `error ...`.
+//!
+//! ```text
+//! status                     -> ok running | ok paused | ok exited <reason>
+//! pause | resume             -> ok
+//! stop                       -> ok          (the VM ends; `sprout` exits 0)
+//! mailbox CPU CMD A0 A1 A2 A3 -> ok STATUS R0 R1 R2 R3   (test guest only)
+//! ```
+//!
+//! Lines are at most [`MAX_LINE`] bytes; longer ones are refused.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use vmm::vcpu::ExitSignal;
+use vmm::{ExitReason, Vm};
+
+pub const MAX_LINE: usize = 256;
+const MAILBOX_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The listening socket; removed on drop.
+pub struct ApiSocket {
+    path: PathBuf,
+    thread: Option<JoinHandle<()>>,
+    exit: Arc<ExitSignal>,
+}
+
+impl ApiSocket {
+    /// Binds `path` (refusing one in use; a stale socket file is replaced) and
+    /// serves it on a thread until the VM exits.
+    pub fn serve(path: &Path, vm: Arc<Mutex<Vm>>) -> Result<Self> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                bail!("API socket {} is in use by another process", path.display());
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("Cannot remove stale socket {}", path.display()))?;
+        }
+        let listener = UnixListener::bind(path)
+            .with_context(|| format!("Cannot listen on {}", path.display()))?;
+        listener.set_nonblocking(true)?;
+        let exit = lock(&vm).exit_signal();
+        let exit2 = exit.clone();
+        let thread = std::thread::Builder::new()
+            .name("sprout-api".into())
+            .spawn(move || accept_loop(listener, vm, exit2))?;
+        Ok(Self {
+            path: path.to_owned(),
+            thread: Some(thread),
+            exit,
+        })
+    }
+}
+
+impl Drop for ApiSocket {
+    fn drop(&mut self) {
+        self.exit.set(ExitReason::Stopped);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn lock(vm: &Mutex<Vm>) -> std::sync::MutexGuard<'_, Vm> {
+    vm.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn accept_loop(listener: UnixListener, vm: Arc<Mutex<Vm>>, exit: Arc<ExitSignal>) {
+    while exit.get().is_none() {
+        match listener.accept() {
+            Ok((s, _)) => {
+                if let Err(e) = serve_conn(s, &vm) {
+                    log::debug!("api socket: {e:#}");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                exit.wait(Some(Duration::from_millis(20)));
+            }
+            Err(e) => {
+                log::warn!("api socket: accept failed: {e}");
+                exit.wait(Some(Duration::from_millis(20)));
+            }
+        }
+    }
+}
+
+fn serve_conn(s: UnixStream, vm: &Mutex<Vm>) -> Result<()> {
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut w = s.try_clone()?;
+    let mut r = BufReader::new(s);
+    loop {
+        let mut line = Vec::new();
+        if (&mut r)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut line)?
+            == 0
+        {
+            return Ok(());
+        }
+        let answer = if line.len() > MAX_LINE {
+            // Overlong: skip to its end (bounded), then refuse it.
+            let mut rest = Vec::new();
+            (&mut r).take(1 << 20).read_until(b'\n', &mut rest)?;
+            format!("error line longer than {MAX_LINE} bytes")
+        } else {
+            match std::str::from_utf8(&line) {
+                Ok(text) => answer(text.trim(), vm),
+                Err(_) => "error command is not UTF-8".into(),
+            }
+        };
+        w.write_all(answer.as_bytes())?;
+        w.write_all(b"\n")?;
+    }
+}
+
+fn answer(line: &str, vm: &Mutex<Vm>) -> String {
+    match run_command(line, vm) {
+        Ok(s) if s.is_empty() => "ok".into(),
+        Ok(s) => format!("ok {s}"),
+        Err(e) => format!("error {}", format!("{e:#}").replace('\n', " ")),
+    }
+}
+
+fn run_command(line: &str, vm: &Mutex<Vm>) -> Result<String> {
+    let mut words = line.split_ascii_whitespace();
+    let cmd = words.next().unwrap_or("");
+    let args: Vec<&str> = words.collect();
+    let no_args = |args: &[&str]| -> Result<()> {
+        if !args.is_empty() {
+            bail!("{cmd} takes no arguments");
+        }
+        Ok(())
+    };
+    match cmd {
+        "status" => {
+            no_args(&args)?;
+            let vm = lock(vm);
+            Ok(match vm.exit_reason() {
+                Some(r) => format!("exited {r}"),
+                None if vm.is_paused() => "paused".into(),
+                None => "running".into(),
+            })
+        }
+        "pause" => {
+            no_args(&args)?;
+            lock(vm).pause()?;
+            Ok(String::new())
+        }
+        "resume" => {
+            no_args(&args)?;
+            lock(vm).resume()?;
+            Ok(String::new())
+        }
+        "stop" => {
+            no_args(&args)?;
+            lock(vm).exit_signal().set(ExitReason::Stopped);
+            Ok(String::new())
+        }
+        "mailbox" => {
+            if args.len() != 6 {
+                bail!("usage: mailbox CPU CMD A0 A1 A2 A3");
+            }
+            let num = |s: &str| -> Result<u64> {
+                let v = match s.strip_prefix("0x") {
+                    Some(h) => u64::from_str_radix(h, 16),
+                    None => s.parse(),
+                };
+                v.with_context(|| format!("{s:?} is not a number"))
+            };
+            let cpu = u8::try_from(num(args[0])?).context("CPU out of range")?;
+            let c = u32::try_from(num(args[1])?).context("CMD out of range")?;
+            let a = [num(args[2])?, num(args[3])?, num(args[4])?, num(args[5])?];
+            let vm = lock(vm);
+            let m = vm
+                .mailbox()
+                .context("this VM's kernel has no mailbox (not the test guest)")?;
+            let r = m.call(cpu, c, a, MAILBOX_TIMEOUT)?;
+            Ok(format!(
+                "{} {:#x} {:#x} {:#x} {:#x}",
+                r.status, r.rets[0], r.rets[1], r.rets[2], r.rets[3]
+            ))
+        }
+        "" => bail!("empty command"),
+        other => bail!("unknown command {other:?} (status, pause, resume, stop, mailbox)"),
+    }
+}

@@ -1,0 +1,181 @@
+//! `sprout`: run microVMs from the command line.
+//!
+//! ```text
+//! sprout vm run --kernel PATH|testguest [--image PATH] [--disk PATH] [--cpus N]
+//!               [--memory-mib M] [--cmdline STR] [--vsock-cid N --vsock-uds PATH] [--rng]
+//!               [--api-sock PATH]
+//! sprout vm ctl --api-sock PATH status|pause|resume|stop|mailbox CPU CMD A0 A1 A2 A3
+//! ```
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use service::api_sock::ApiSocket;
+use vmm::{DiskConfig, SerialOutput, VmConfig, VsockConfig};
+
+#[derive(Parser)]
+#[command(name = "sprout", version, about = "Sprout microVM sandboxes")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Virtual machines.
+    #[command(subcommand)]
+    Vm(VmCmd),
+}
+
+#[derive(Subcommand)]
+enum VmCmd {
+    /// Boot a guest with its console on this terminal; exits when the guest
+    /// resets or powers off (status 0) or fails (status 1).
+    Run(RunArgs),
+    /// Send one command to a running VM's control socket and print the answer.
+    Ctl(CtlArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Kernel: an uncompressed ELF vmlinux, or `testguest` for Sprout's built-in test guest.
+    #[arg(long)]
+    kernel: String,
+    /// Read-only base disk image (virtio-blk).
+    #[arg(long)]
+    image: Option<PathBuf>,
+    /// Private writable disk (virtio-blk); created sparse if missing.
+    #[arg(long)]
+    disk: Option<PathBuf>,
+    /// Size of a writable disk created by --disk, in MiB.
+    #[arg(long, default_value_t = 16384)]
+    disk_size_mib: u64,
+    /// vCPUs (1-4).
+    #[arg(long, default_value_t = 1)]
+    cpus: u8,
+    /// Guest RAM in MiB (128-8192).
+    #[arg(long, default_value_t = 256)]
+    memory_mib: u64,
+    /// Kernel command line (the VMM appends its virtio-mmio devices).
+    #[arg(long, default_value = "")]
+    cmdline: String,
+    /// Add a virtio-vsock device with this guest CID (>= 3).
+    #[arg(long, requires = "vsock_uds")]
+    vsock_cid: Option<u64>,
+    /// Unix socket the vsock device's host side listens on.
+    #[arg(long, requires = "vsock_cid")]
+    vsock_uds: Option<PathBuf>,
+    /// Add a virtio-rng device.
+    #[arg(long)]
+    rng: bool,
+    /// Serve a control socket here (see `sprout vm ctl`).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CtlArgs {
+    /// The VM's control socket (`sprout vm run --api-sock`).
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// The command: status | pause | resume | stop | mailbox CPU CMD A0 A1 A2 A3.
+    #[arg(required = true, num_args = 1..)]
+    command: Vec<String>,
+}
+
+fn kernel_path(k: &str) -> PathBuf {
+    if k == "testguest" {
+        PathBuf::from(testguest_build::TESTGUEST_PATH)
+    } else {
+        PathBuf::from(k)
+    }
+}
+
+fn run(a: RunArgs) -> Result<bool> {
+    let mut cfg = VmConfig::new(kernel_path(&a.kernel));
+    cfg.vcpus = a.cpus;
+    cfg.mem_mib = a.memory_mib;
+    cfg.cmdline = a.cmdline;
+    cfg.serial = SerialOutput::Stdout;
+    cfg.rng = a.rng;
+    if let Some(p) = a.image {
+        cfg.disks.push(DiskConfig {
+            path: p,
+            read_only: true,
+            id: "base".into(),
+        });
+    }
+    if let Some(p) = a.disk {
+        if !p.exists() {
+            if a.disk_size_mib == 0 {
+                bail!("--disk-size-mib must be at least 1");
+            }
+            let f = std::fs::File::create(&p)
+                .with_context(|| format!("Cannot create disk {}", p.display()))?;
+            f.set_len(a.disk_size_mib << 20)
+                .with_context(|| format!("Cannot size disk {}", p.display()))?;
+        }
+        cfg.disks.push(DiskConfig {
+            path: p,
+            read_only: false,
+            id: "disk".into(),
+        });
+    }
+    if let (Some(cid), Some(uds)) = (a.vsock_cid, a.vsock_uds) {
+        cfg.vsock = Some(VsockConfig {
+            guest_cid: cid,
+            uds_path: uds,
+        });
+    }
+    let vm = vmm::Vm::start(cfg)?;
+    let exit = vm.exit_signal();
+    let vm = Arc::new(Mutex::new(vm));
+    let api = a
+        .api_sock
+        .as_deref()
+        .map(|p| ApiSocket::serve(p, vm.clone()))
+        .transpose()?;
+    let reason = exit.wait(None).unwrap_or(vmm::ExitReason::Stopped);
+    drop(api);
+    drop(vm);
+    eprintln!("sprout: VM ended: {reason}");
+    Ok(reason.is_clean())
+}
+
+fn ctl(a: CtlArgs) -> Result<bool> {
+    let mut s = UnixStream::connect(&a.api_sock)
+        .with_context(|| format!("Cannot connect to {}", a.api_sock.display()))?;
+    writeln!(s, "{}", a.command.join(" "))?;
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line)?;
+    let line = line.trim_end();
+    match line.strip_prefix("ok") {
+        Some(rest) => {
+            println!("{}", rest.trim_start());
+            Ok(true)
+        }
+        None => bail!("{}", line.strip_prefix("error ").unwrap_or(line)),
+    }
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Vm(VmCmd::Run(a)) => run(a),
+        Cmd::Vm(VmCmd::Ctl(a)) => ctl(a),
+    };
+    match res {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("sprout: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The `sprout` binary: bad input is refused with a clear message and a
+//! non-zero status (never a panic); the test guest boots, runs its self-test
+//! and resets, and `sprout` exits 0.
+
+use std::process::{Command, Output};
+
+fn sprout(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sprout"))
+        .args(args)
+        .output()
+        .expect("run sprout")
+}
+
+fn refused(args: &[&str], says: &str) {
+    let out = sprout(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(err.contains(says), "{args:?}: expected {says:?} in: {err}");
+}
+
+fn scratch(name: &str, contents: &[u8]) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("sprout-cli-{}-{name}", std::process::id()));
+    std::fs::write(&p, contents).unwrap();
+    p
+}
+
+#[test]
+fn bad_input_is_refused_clearly() {
+    let tg = testguest_build::TESTGUEST_PATH;
+    refused(
+        &["vm", "run", "--kernel", "/nonexistent/vmlinux"],
+        "does not exist",
+    );
+    refused(
+        &["vm", "run", "--kernel", tg, "--memory-mib", "0"],
+        "128 to 8192",
+    );
+    refused(
+        &["vm", "run", "--kernel", tg, "--memory-mib", "100000"],
+        "128 to 8192",
+    );
+    refused(&["vm", "run", "--kernel", tg, "--cpus", "9"], "1 to 4");
+    refused(&["vm", "run", "--kernel", tg, "--cpus", "0"], "1 to 4");
+    let text = scratch("notakernel", b"#!/bin/sh\necho hello\n");
+    refused(
+        &["vm", "run", "--kernel", text.to_str().unwrap()],
+        "not a kernel",
+    );
+    let odd = scratch("odd.img", &[0u8; 1000]);
+    refused(
+        &[
+            "vm",
+            "run",
+            "--kernel",
+            tg,
+            "--image",
+            odd.to_str().unwrap(),
+        ],
+        "not a multiple of 512",
+    );
+    refused(
+        &["vm", "run", "--kernel", tg, "--image", "/nonexistent.img"],
+        "does not exist",
+    );
+    refused(
+        &[
+            "vm",
+            "run",
+            "--kernel",
+            tg,
+            "--vsock-cid",
+            "2",
+            "--vsock-uds",
+            "/tmp/x.sock",
+        ],
+        "CID",
+    );
+    let _ = std::fs::remove_file(text);
+    let _ = std::fs::remove_file(odd);
+}
+
+#[test]
+fn selftest_boots_runs_and_exits_zero() {
+    let out = sprout(&[
+        "vm",
+        "run",
+        "--kernel",
+        "testguest",
+        "--cpus",
+        "2",
+        "--rng",
+        "--cmdline",
+        "selftest",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.contains("selftest: done"), "stdout: {stdout}");
+    assert!(!stdout.contains("FAIL"), "stdout: {stdout}");
+    assert!(stderr.contains("guest reset"), "stderr: {stderr}");
+}
+
+fn ctl(sock: &std::path::Path, words: &[&str]) -> (bool, String, String) {
+    let mut args = vec!["vm", "ctl", "--api-sock", sock.to_str().unwrap()];
+    args.extend_from_slice(words);
+    let out = sprout(&args);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    )
+}
+
+#[test]
+fn control_socket_drives_a_running_vm() {
+    let sock = std::env::temp_dir().join(format!("sprout-cli-{}-api.sock", std::process::id()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sprout"))
+        .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
+        .arg(&sock)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !sock.exists() {
+        assert!(std::time::Instant::now() < deadline, "no API socket");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(ctl(&sock, &["status"]).1, "running");
+    // CMD_ECHO (1) of 0x2a on vCPU 0: status 0, rets[0] = 0x2a.
+    let (ok, out, err) = ctl(&sock, &["mailbox", "0", "1", "0x2a", "0", "0", "0"]);
+    assert!(ok, "{err}");
+    assert!(out.starts_with("0 0x2a "), "{out}");
+    assert!(ctl(&sock, &["pause"]).0);
+    assert_eq!(ctl(&sock, &["status"]).1, "paused");
+    assert!(ctl(&sock, &["resume"]).0);
+    assert_eq!(ctl(&sock, &["status"]).1, "running");
+    let (ok, _, err) = ctl(&sock, &["frobnicate"]);
+    assert!(!ok && err.contains("unknown command"), "{err}");
+    let (ok, _, err) = ctl(&sock, &["mailbox", "7", "1", "0", "0", "0", "0"]);
+    assert!(!ok && err.contains("No vCPU 7"), "{err}");
+    assert!(ctl(&sock, &["stop"]).0);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "sprout exit {status:?}");
+    assert!(!sock.exists(), "socket file left behind");
+}

@@ -1,0 +1,94 @@
+//! CPUID: KVM's supported set, made consistent per vCPU (APIC ids, topology,
+//! the hypervisor bit).
+
+use kvm_bindings::CpuId;
+
+/// Leaf 1 ECX bit 31: running under a hypervisor.
+const ECX_HYPERVISOR: u32 = 1 << 31;
+/// Leaf 1 EDX bit 28: HTT (the logical-processor count in EBX is valid).
+const EDX_HTT: u32 = 1 << 28;
+
+/// Adjusts the supported CPUID for vCPU `index` of `count`.
+pub fn for_vcpu(cpuid: &mut CpuId, index: u8, count: u8) {
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            0x1 => {
+                // EBX[31:24] initial APIC id, [23:16] logical processors, [15:8] CLFLUSH line size (in 8 bytes).
+                e.ebx = (u32::from(index) << 24) | (u32::from(count) << 16) | (8 << 8);
+                e.ecx |= ECX_HYPERVISOR;
+                if count > 1 {
+                    e.edx |= EDX_HTT;
+                } else {
+                    e.edx &= !EDX_HTT;
+                }
+            }
+            0x4 => {
+                // Deterministic cache parameters: EAX[31:26] = cores per package - 1.
+                e.eax = (e.eax & 0x03ff_ffff) | ((u32::from(count).saturating_sub(1)) << 26);
+            }
+            0xb | 0x1f => {
+                // Extended topology: one thread per core, `count` cores. EDX = x2APIC id.
+                e.edx = u32::from(index);
+                match e.index {
+                    0 => {
+                        e.eax = 0;
+                        e.ebx = 1;
+                        e.ecx = 1 << 8; // level 0: SMT
+                    }
+                    1 => {
+                        e.eax = 8u32.min(u32::BITS - u32::from(count).leading_zeros());
+                        e.ebx = u32::from(count);
+                        e.ecx = (2 << 8) | 1; // level 1: core
+                    }
+                    _ => {
+                        e.eax = 0;
+                        e.ebx = 0;
+                        e.ecx = e.index & 0xff;
+                    }
+                }
+            }
+            0x8000_0001 => {
+                // AMD: CmpLegacy (ECX bit 1) only with more than one core.
+                if count > 1 {
+                    e.ecx |= 1 << 1;
+                } else {
+                    e.ecx &= !(1 << 1);
+                }
+            }
+            0x8000_0008 => {
+                // ECX[7:0] = cores - 1.
+                e.ecx = (e.ecx & !0xff) | u32::from(count.saturating_sub(1));
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn apic_id_and_count_per_vcpu() {
+        let mut c = CpuId::from_entries(&[
+            kvm_cpuid_entry2 {
+                function: 1,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0xb,
+                index: 1,
+                ..Default::default()
+            },
+        ])
+        .unwrap();
+        for_vcpu(&mut c, 3, 4);
+        let s = c.as_slice();
+        assert_eq!(s[0].ebx >> 24, 3);
+        assert_eq!((s[0].ebx >> 16) & 0xff, 4);
+        assert_ne!(s[0].ecx & ECX_HYPERVISOR, 0);
+        assert_eq!(s[1].edx, 3);
+        assert_eq!(s[1].ebx, 4);
+    }
+}

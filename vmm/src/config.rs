@@ -1,0 +1,143 @@
+//! What a VM is made of, checked before anything is created.
+
+use std::path::PathBuf;
+
+use devices::legacy::SerialOutput;
+
+use crate::layout;
+
+/// A virtio-blk disk.
+#[derive(Clone, Debug)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub read_only: bool,
+    /// Returned to the guest by GET_ID (at most 20 bytes).
+    pub id: String,
+}
+
+/// The virtio-vsock device and the Unix socket its host side listens on.
+#[derive(Clone, Debug)]
+pub struct VsockConfig {
+    pub guest_cid: u64,
+    pub uds_path: PathBuf,
+}
+
+#[derive(Clone)]
+pub struct VmConfig {
+    /// An ELF64 kernel: an uncompressed Linux vmlinux or the test guest.
+    pub kernel: PathBuf,
+    /// Kernel command line; the VMM appends its virtio-mmio device entries.
+    pub cmdline: String,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub disks: Vec<DiskConfig>,
+    pub vsock: Option<VsockConfig>,
+    pub rng: bool,
+    pub serial: SerialOutput,
+}
+
+impl VmConfig {
+    /// One vCPU, 256 MiB, no devices but the serial console (to stdout).
+    pub fn new(kernel: impl Into<PathBuf>) -> Self {
+        Self {
+            kernel: kernel.into(),
+            cmdline: String::new(),
+            vcpus: 1,
+            mem_mib: 256,
+            disks: Vec::new(),
+            vsock: None,
+            rng: false,
+            serial: SerialOutput::Stdout,
+        }
+    }
+
+    pub fn virtio_devices(&self) -> usize {
+        self.disks.len() + usize::from(self.vsock.is_some()) + usize::from(self.rng)
+    }
+
+    /// Checks every value before any resource is created.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.vcpus == 0 || self.vcpus > layout::MAX_VCPUS {
+            return Err(ConfigError::Vcpus(self.vcpus));
+        }
+        if !(layout::MIN_MEM_MIB..=layout::MAX_MEM_MIB).contains(&self.mem_mib) {
+            return Err(ConfigError::Memory(self.mem_mib));
+        }
+        if !self.kernel.is_file() {
+            return Err(ConfigError::KernelMissing(self.kernel.clone()));
+        }
+        for d in &self.disks {
+            if !d.path.is_file() {
+                return Err(ConfigError::DiskMissing(d.path.clone()));
+            }
+            if d.id.len() > 20 {
+                return Err(ConfigError::DiskId(d.id.clone()));
+            }
+        }
+        if self.virtio_devices() > layout::VIRTIO_MMIO_MAX as usize {
+            return Err(ConfigError::TooManyDevices(self.virtio_devices()));
+        }
+        if let Some(v) = &self.vsock {
+            if v.guest_cid < 3 || v.guest_cid >= u64::from(u32::MAX) {
+                return Err(ConfigError::VsockCid(v.guest_cid));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    #[error("vCPU count {0} is out of range: use 1 to {max}", max = layout::MAX_VCPUS)]
+    Vcpus(u8),
+    #[error("Memory size {0} MiB is out of range: use {min} to {max} MiB", min = layout::MIN_MEM_MIB, max = layout::MAX_MEM_MIB)]
+    Memory(u64),
+    #[error("Kernel {0} does not exist or is not a file")]
+    KernelMissing(PathBuf),
+    #[error("Disk image {0} does not exist or is not a file")]
+    DiskMissing(PathBuf),
+    #[error("Disk id {0:?} is longer than 20 bytes")]
+    DiskId(String),
+    #[error("{0} virtio devices asked for, the limit is {max}", max = layout::VIRTIO_MMIO_MAX)]
+    TooManyDevices(usize),
+    #[error("vsock guest CID {0} is out of range: use 3 to 4294967294")]
+    VsockCid(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_values_are_refused_with_the_reason() {
+        let exe = std::env::current_exe().unwrap();
+        let ok = VmConfig::new(&exe);
+        assert_eq!(ok.validate(), Ok(()));
+        for (v, m) in [
+            (0, 256),
+            (9, 256),
+            (1, 0),
+            (1, 100_000),
+            (1, 127),
+            (1, 8193),
+        ] {
+            let mut c = ok.clone();
+            c.vcpus = v;
+            c.mem_mib = m;
+            assert!(c.validate().is_err(), "{v} vCPUs, {m} MiB");
+        }
+        let mut c = ok.clone();
+        c.kernel = "/nonexistent/vmlinux".into();
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::KernelMissing("/nonexistent/vmlinux".into()))
+        );
+        let mut c = ok.clone();
+        c.vsock = Some(VsockConfig {
+            guest_cid: 2,
+            uds_path: "/tmp/x".into(),
+        });
+        assert_eq!(c.validate(), Err(ConfigError::VsockCid(2)));
+        assert!(ConfigError::Memory(0).to_string().contains("128 to 8192"));
+    }
+}

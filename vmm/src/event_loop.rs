@@ -1,0 +1,96 @@
+//! The device event loop: one thread running an `event_manager::EventManager`
+//! that serves every device's queue, backend and timer events.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::vcpu::{ExitReason, ExitSignal};
+
+pub type Subscriber = Arc<Mutex<dyn MutEventSubscriber + Send>>;
+pub type Manager = EventManager<Subscriber>;
+
+/// Ends the loop when its eventfd is written.
+struct Stopper {
+    evt: EventFd,
+    stop: Arc<AtomicBool>,
+}
+
+impl MutEventSubscriber for Stopper {
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.evt.read();
+        self.stop.store(true, Ordering::SeqCst);
+    }
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(&self.evt, EventSet::IN)) {
+            log::error!("event loop: cannot watch the stop event: {e:?}");
+        }
+    }
+}
+
+/// Turns a device's "reset requested" eventfd (the i8042's) into a VM exit.
+pub struct ResetWatcher {
+    pub evt: EventFd,
+    pub exit: Arc<ExitSignal>,
+}
+
+impl MutEventSubscriber for ResetWatcher {
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.evt.read();
+        self.exit.set(ExitReason::Reset);
+    }
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(&self.evt, EventSet::IN)) {
+            log::error!("event loop: cannot watch the reset event: {e:?}");
+        }
+    }
+}
+
+pub struct EventLoop {
+    stop_evt: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EventLoop {
+    /// Runs `em` on a new thread until [`EventLoop::stop`].
+    pub fn start(mut em: Manager) -> io::Result<Self> {
+        let stop_evt = EventFd::new(EFD_NONBLOCK)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        em.add_subscriber(Arc::new(Mutex::new(Stopper {
+            evt: stop_evt.try_clone()?,
+            stop: stop.clone(),
+        })));
+        let thread = std::thread::Builder::new()
+            .name("sprout-events".into())
+            .spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    if let Err(e) = em.run() {
+                        log::error!("event loop: {e:?}");
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            stop_evt,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.stop_evt.write(1);
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for EventLoop {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,51 @@
+//! Opening `/dev/kvm` and checking what the host KVM offers.
+
+use kvm_ioctls::{Cap, Kvm};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KvmError {
+    #[error(
+        "Cannot open /dev/kvm: Sprout needs KVM (load kvm_intel or kvm_amd, and run as a user with access to /dev/kvm)"
+    )]
+    Open(#[source] kvm_ioctls::Error),
+    #[error("Host KVM API version is {0}, Sprout needs 12")]
+    ApiVersion(i32),
+    #[error("Host KVM lacks {0}, which Sprout needs")]
+    MissingCap(&'static str),
+}
+
+/// What the host KVM supports, probed once with `KVM_CHECK_EXTENSION`.
+#[derive(Clone, Copy, Debug)]
+pub struct HostCaps {
+    /// In-kernel PIT (`KVM_CAP_PIT2`): optional, guests that need a PIT lose it.
+    pub pit2: bool,
+    /// Largest vCPU count KVM accepts (`KVM_CAP_MAX_VCPUS`).
+    pub max_vcpus: usize,
+}
+
+/// Opens KVM and checks the capabilities the VMM cannot work without.
+pub fn open() -> Result<(Kvm, HostCaps), KvmError> {
+    let kvm = Kvm::new().map_err(KvmError::Open)?;
+    let v = kvm.get_api_version();
+    if v != 12 {
+        return Err(KvmError::ApiVersion(v));
+    }
+    for (cap, name) in [
+        (Cap::Irqchip, "KVM_CAP_IRQCHIP (in-kernel IOAPIC and LAPIC)"),
+        (Cap::Irqfd, "KVM_CAP_IRQFD"),
+        (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
+        (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
+        (Cap::ImmediateExit, "KVM_CAP_IMMEDIATE_EXIT"),
+        (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),
+        (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
+    ] {
+        if !kvm.check_extension(cap) {
+            return Err(KvmError::MissingCap(name));
+        }
+    }
+    let caps = HostCaps {
+        pit2: kvm.check_extension(Cap::Pit2),
+        max_vcpus: kvm.get_max_vcpus(),
+    };
+    Ok((kvm, caps))
+}

@@ -1,0 +1,24 @@
+//! The Sprout VMM: KVM virtual machines with guest memory, vCPU threads, an
+//! event loop for devices, and the x86_64 boot path.
+//!
+//! The entry point is [`Vm::start`] with a [`VmConfig`]: it validates the
+//! config, creates the KVM VM and its memory, loads the kernel, attaches the
+//! devices one `attach_*` step at a time, and starts one thread per vCPU plus
+//! the device event loop.
+
+pub mod arch;
+pub mod config;
+mod event_loop;
+pub mod kvm;
+pub mod mailbox;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
+mod vm_devices;
+
+/// The guest physical layout: every guest address the VMM uses comes from here.
+pub use guest_abi::layout;
+
+pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
+pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
+pub use vm::{ExitReason, Vm, VmError};

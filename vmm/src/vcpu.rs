@@ -1,0 +1,358 @@
+//! vCPU threads. Each vCPU runs on its own thread as an explicit state machine
+//! (`Created` -> `Running` <-> `Paused` -> `Exited`) driven by a command channel.
+//! A command is followed by a signal kick: the signal handler sets the vCPU's
+//! `immediate_exit`, so `KVM_RUN` returns (or never enters) and the thread
+//! looks at its channel. No kick is lost: the flag stays set until the thread
+//! has drained its commands.
+
+use std::cell::Cell;
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use devices::bus::lock;
+use devices::Bus;
+use kvm_bindings::kvm_run;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+
+/// Why a VM stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExitReason {
+    /// The guest reset the machine (i8042 or a KVM reset event): a clean end.
+    Reset,
+    /// The guest powered off (KVM shutdown system event).
+    PowerOff,
+    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN).
+    TripleFault { vcpu: u8 },
+    /// The test guest reported a fatal error through its mailbox device.
+    GuestPanic { code: u32, rip: u64 },
+    /// KVM refused to run a vCPU or reported an error exit.
+    VcpuFailed { vcpu: u8, message: String },
+    /// The host stopped the VM.
+    Stopped,
+}
+
+impl ExitReason {
+    /// Whether this ends the VM without an error.
+    pub fn is_clean(&self) -> bool {
+        matches!(self, Self::Reset | Self::PowerOff | Self::Stopped)
+    }
+}
+
+impl std::fmt::Display for ExitReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Reset => write!(f, "guest reset"),
+            Self::PowerOff => write!(f, "guest powered off"),
+            Self::TripleFault { vcpu } => write!(f, "guest triple fault on vCPU {vcpu}"),
+            Self::GuestPanic { code, rip } => {
+                write!(f, "guest panic: code {code:#x} at rip {rip:#x}")
+            }
+            Self::VcpuFailed { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
+            Self::Stopped => write!(f, "stopped by the host"),
+        }
+    }
+}
+
+/// The first exit reason wins; waiters are woken.
+#[derive(Default)]
+pub struct ExitSignal {
+    reason: Mutex<Option<ExitReason>>,
+    cond: Condvar,
+}
+
+impl ExitSignal {
+    pub fn set(&self, r: ExitReason) {
+        let mut g = lock(&self.reason);
+        if g.is_none() {
+            *g = Some(r);
+        }
+        self.cond.notify_all();
+    }
+
+    pub fn get(&self) -> Option<ExitReason> {
+        lock(&self.reason).clone()
+    }
+
+    /// Waits for the VM to exit, at most `timeout` (forever with `None`).
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<ExitReason> {
+        let g = lock(&self.reason);
+        let g = match timeout {
+            None => self
+                .cond
+                .wait_while(g, |r| r.is_none())
+                .unwrap_or_else(|p| p.into_inner()),
+            Some(t) => {
+                self.cond
+                    .wait_timeout_while(g, t, |r| r.is_none())
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
+        g.clone()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VcpuState {
+    Created,
+    Running,
+    Paused,
+    Exited,
+}
+
+#[derive(Debug)]
+enum Command {
+    Run,
+    Pause,
+    Exit,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    #[error("Cannot start vCPU thread")]
+    Spawn(#[source] std::io::Error),
+    #[error("Cannot install the vCPU kick signal handler")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+    #[error("vCPU {0} thread is gone")]
+    Gone(u8),
+    #[error("vCPU {0} did not answer within {1:?}")]
+    Timeout(u8, Duration),
+}
+
+thread_local! {
+    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+extern "C" fn handle_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let p = KVM_RUN.with(|c| c.get());
+    if !p.is_null() {
+        // SAFETY: p is this thread's mapped kvm_run, set by the vCPU thread while it
+        // owns the VcpuFd and cleared before the fd (and mapping) is dropped. A
+        // volatile byte store is async-signal-safe.
+        unsafe { std::ptr::addr_of_mut!((*p).immediate_exit).write_volatile(1) };
+    }
+}
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static ONCE: Once = Once::new();
+    let mut res = Ok(());
+    ONCE.call_once(|| res = register_signal_handler(kick_signal(), handle_kick));
+    res.map_err(VcpuError::Signal)
+}
+
+/// What a vCPU thread needs besides its fd.
+pub struct VcpuContext {
+    pub pio: Arc<Bus>,
+    pub mmio: Arc<Bus>,
+    pub exit: Arc<ExitSignal>,
+}
+
+/// The host's handle on a vCPU thread.
+pub struct Vcpu {
+    index: u8,
+    state: VcpuState,
+    tx: Sender<Command>,
+    acks: Receiver<VcpuState>,
+    thread: Option<JoinHandle<()>>,
+}
+
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Vcpu {
+    /// Starts the thread for `fd`, parked in `Created` until [`Vcpu::resume`].
+    pub fn spawn(index: u8, fd: VcpuFd, ctx: VcpuContext) -> Result<Self, VcpuError> {
+        install_kick_handler()?;
+        let (tx, rx) = mpsc::channel();
+        let (ack_tx, acks) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name(format!("sprout-vcpu{index}"))
+            .spawn(move || run_thread(index, fd, ctx, rx, ack_tx))
+            .map_err(VcpuError::Spawn)?;
+        Ok(Self {
+            index,
+            state: VcpuState::Created,
+            tx,
+            acks,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    pub fn state(&self) -> VcpuState {
+        self.state
+    }
+
+    fn kick(&self) {
+        if let Some(t) = &self.thread {
+            // SAFETY: the pthread id belongs to a thread we own and have not joined;
+            // pthread_kill with a handled signal has no other effect.
+            unsafe { libc::pthread_kill(t.as_pthread_t(), kick_signal()) };
+        }
+    }
+
+    fn send(&mut self, cmd: Command) -> Result<VcpuState, VcpuError> {
+        self.tx.send(cmd).map_err(|_| VcpuError::Gone(self.index))?;
+        self.kick();
+        match self.acks.recv_timeout(ACK_TIMEOUT) {
+            Ok(s) => {
+                self.state = s;
+                Ok(s)
+            }
+            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout(self.index, ACK_TIMEOUT)),
+            Err(RecvTimeoutError::Disconnected) => {
+                self.state = VcpuState::Exited;
+                Err(VcpuError::Gone(self.index))
+            }
+        }
+    }
+
+    /// Starts or resumes running guest code.
+    pub fn resume(&mut self) -> Result<(), VcpuError> {
+        self.send(Command::Run).map(|_| ())
+    }
+
+    /// Leaves `KVM_RUN` and parks the thread; returns once it is parked.
+    pub fn pause(&mut self) -> Result<(), VcpuError> {
+        self.send(Command::Pause).map(|_| ())
+    }
+
+    /// Ends the thread and joins it.
+    pub fn stop(&mut self) {
+        if self.thread.is_none() {
+            return;
+        }
+        let _ = self.tx.send(Command::Exit);
+        self.kick();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.state = VcpuState::Exited;
+    }
+}
+
+impl Drop for Vcpu {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+enum Flow {
+    Continue,
+    Stop,
+    Fail(String),
+}
+
+fn run_thread(
+    index: u8,
+    mut fd: VcpuFd,
+    ctx: VcpuContext,
+    rx: Receiver<Command>,
+    acks: Sender<VcpuState>,
+) {
+    KVM_RUN.with(|c| c.set(fd.get_kvm_run() as *mut kvm_run));
+    let mut state = VcpuState::Created;
+    loop {
+        if state != VcpuState::Running {
+            // Parked: block for the next command.
+            match rx.recv() {
+                Ok(Command::Run) if state != VcpuState::Exited => state = VcpuState::Running,
+                Ok(Command::Run) | Ok(Command::Pause) => {}
+                Ok(Command::Exit) | Err(_) => break,
+            }
+            let _ = acks.send(state);
+            continue;
+        }
+        fd.set_kvm_immediate_exit(0);
+        match rx.try_recv() {
+            Ok(Command::Pause) => {
+                state = VcpuState::Paused;
+                let _ = acks.send(state);
+                continue;
+            }
+            Ok(Command::Run) => {
+                let _ = acks.send(state);
+            }
+            Ok(Command::Exit) | Err(TryRecvError::Disconnected) => break,
+            Err(TryRecvError::Empty) => {}
+        }
+        let flow = match fd.run() {
+            Ok(exit) => handle_exit(index, exit, &ctx),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Flow::Continue,
+            Err(e) => {
+                ctx.exit.set(ExitReason::VcpuFailed {
+                    vcpu: index,
+                    message: format!("KVM_RUN: {e}"),
+                });
+                Flow::Stop
+            }
+        };
+        match flow {
+            Flow::Continue => {}
+            Flow::Stop => state = VcpuState::Exited,
+            Flow::Fail(message) => {
+                let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                ctx.exit.set(ExitReason::VcpuFailed {
+                    vcpu: index,
+                    message: format!("{message} at rip {rip:#x}"),
+                });
+                // Park until the host tells us to exit, so the VM's teardown joins us.
+                state = VcpuState::Exited;
+            }
+        }
+    }
+    KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
+    drop(fd);
+}
+
+fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
+    match exit {
+        VcpuExit::IoIn(port, data) => {
+            if !ctx.pio.read(u64::from(port), data) {
+                data.fill(0xff);
+            }
+            Flow::Continue
+        }
+        VcpuExit::IoOut(port, data) => {
+            ctx.pio.write(u64::from(port), data);
+            Flow::Continue
+        }
+        VcpuExit::MmioRead(addr, data) => {
+            if !ctx.mmio.read(addr, data) {
+                data.fill(0xff);
+            }
+            Flow::Continue
+        }
+        VcpuExit::MmioWrite(addr, data) => {
+            ctx.mmio.write(addr, data);
+            Flow::Continue
+        }
+        VcpuExit::Hlt | VcpuExit::IrqWindowOpen | VcpuExit::Intr => Flow::Continue,
+        VcpuExit::Shutdown => {
+            ctx.exit.set(ExitReason::TripleFault { vcpu: index });
+            Flow::Stop
+        }
+        VcpuExit::SystemEvent(ty, _) => match ty {
+            kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
+                ctx.exit.set(ExitReason::Reset);
+                Flow::Stop
+            }
+            kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
+                ctx.exit.set(ExitReason::PowerOff);
+                Flow::Stop
+            }
+            other => Flow::Fail(format!("unexpected system event {other}")),
+        },
+        other => Flow::Fail(format!("unhandled exit {other:?}")),
+    }
+}

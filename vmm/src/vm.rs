@@ -1,0 +1,296 @@
+//! A running VM: KVM VM, guest RAM, devices, the event loop and vCPU threads.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use devices::virtio::block::{Block, BlockConfig};
+use devices::virtio::rng::Rng;
+use devices::virtio::vsock::Vsock;
+use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::VmFd;
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::arch::{boot, cpuid, kernel, regs};
+use crate::config::{ConfigError, VmConfig};
+use crate::event_loop::{EventLoop, Manager};
+use crate::kvm::{self, KvmError};
+use crate::mailbox::Mailbox;
+use crate::memory::{self, GuestRam, MemoryError};
+use crate::vcpu::{ExitSignal, Vcpu, VcpuContext, VcpuError, VcpuState};
+use crate::vm_devices::{Attach, AttachError};
+
+pub use crate::vcpu::ExitReason;
+pub use kernel::EntryKind;
+
+/// Where KVM puts the TSS it needs for real-mode emulation: the top of the
+/// 32-bit space, below the BIOS area, outside RAM.
+const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("Invalid VM configuration")]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    #[error("This host's KVM runs at most {0} vCPUs")]
+    HostVcpus(usize),
+    #[error("KVM refused to {0}")]
+    KvmOp(&'static str, #[source] kvm_ioctls::Error),
+    #[error("Cannot set up guest memory")]
+    Memory(#[from] MemoryError),
+    #[error("Cannot load the kernel")]
+    Kernel(#[from] kernel::KernelError),
+    #[error("Cannot write the boot structures")]
+    Boot(#[from] boot::BootError),
+    #[error("Cannot set up vCPU registers")]
+    Regs(#[from] regs::RegsError),
+    #[error("Cannot attach a device")]
+    Attach(#[from] AttachError),
+    #[error("Cannot open disk {0}")]
+    Disk(
+        std::path::PathBuf,
+        #[source] devices::virtio::block::BlockError,
+    ),
+    #[error("Cannot set up the vsock device")]
+    Vsock(#[source] devices::virtio::vsock::VsockError),
+    #[error("Cannot set up the rng device")]
+    Rng(#[source] devices::virtio::rng::RngError),
+    #[error("Cannot start the device event loop")]
+    EventLoop(#[source] std::io::Error),
+    #[error("vCPU thread")]
+    Vcpu(#[from] VcpuError),
+}
+
+/// A booted VM. Dropping it stops every thread it started and frees its memory.
+pub struct Vm {
+    // Field order is drop order: threads first, then what they use.
+    vcpus: Vec<Vcpu>,
+    event_loop: EventLoop,
+    mailbox: Option<Mailbox>,
+    exit: Arc<ExitSignal>,
+    kernel: kernel::LoadedKernel,
+    _vm: VmFd,
+    ram: GuestRam,
+    config: VmConfig,
+}
+
+impl Vm {
+    /// Validates `config`, builds the VM and starts its vCPUs.
+    pub fn start(config: VmConfig) -> Result<Vm, VmError> {
+        let mut vm = Self::create(config)?;
+        vm.resume()?;
+        Ok(vm)
+    }
+
+    /// Builds the VM with its vCPU threads parked before their first
+    /// instruction; [`Vm::resume`] starts them.
+    pub fn create(config: VmConfig) -> Result<Vm, VmError> {
+        config.validate()?;
+        let (kvm, caps) = kvm::open()?;
+        if usize::from(config.vcpus) > caps.max_vcpus {
+            return Err(VmError::HostVcpus(caps.max_vcpus));
+        }
+        let vm = kvm
+            .create_vm()
+            .map_err(|e| VmError::KvmOp("create a VM", e))?;
+        vm.set_tss_address(KVM_TSS_ADDRESS)
+            .map_err(|e| VmError::KvmOp("set the TSS address", e))?;
+        vm.create_irq_chip()
+            .map_err(|e| VmError::KvmOp("create the in-kernel irqchip", e))?;
+        if caps.pit2 {
+            let pit = kvm_pit_config {
+                flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+                ..Default::default()
+            };
+            vm.create_pit2(pit)
+                .map_err(|e| VmError::KvmOp("create the in-kernel PIT", e))?;
+        } else {
+            log::warn!("host KVM has no in-kernel PIT (KVM_CAP_PIT2): the guest runs without one");
+        }
+
+        let ram = memory::create(config.mem_mib << 20)?;
+        register_memory(&vm, &ram.mem)?;
+        let kernel = kernel::load(&ram.mem, &config.kernel)?;
+        boot::write_boot_tables(&ram.mem)?;
+
+        let exit = Arc::new(ExitSignal::default());
+        let mut at = Attach::new(
+            &vm,
+            &ram.mem,
+            Manager::new()
+                .map_err(|e| VmError::EventLoop(std::io::Error::other(format!("{e:?}"))))?,
+            exit.clone(),
+        );
+        at.attach_serial(config.serial.clone())?;
+        at.attach_i8042()?;
+        attach_virtio_devices(&mut at, &config)?;
+        let mailbox = match kernel.kind {
+            EntryKind::Direct => Some(at.attach_mailbox(config.vcpus)?),
+            EntryKind::Linux => None,
+        };
+
+        let mut cmdline = config.cmdline.trim().to_string();
+        for d in &at.cmdline_devices {
+            if !cmdline.is_empty() {
+                cmdline.push(' ');
+            }
+            cmdline.push_str(d);
+        }
+        boot::write_cmdline(&ram.mem, &cmdline)?;
+        boot::write_zero_page(&ram.mem, ram.size, cmdline.len())?;
+
+        let supported = kvm
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
+        let mut fds = Vec::with_capacity(usize::from(config.vcpus));
+        for i in 0..config.vcpus {
+            let fd = vm
+                .create_vcpu(u64::from(i))
+                .map_err(|e| VmError::KvmOp("create a vCPU", e))?;
+            let mut c = supported.clone();
+            cpuid::for_vcpu(&mut c, i, config.vcpus);
+            fd.set_cpuid2(&c)
+                .map_err(|e| VmError::KvmOp("set CPUID", e))?;
+            regs::setup_vcpu(&fd, i, kernel.entry, kernel.kind)?;
+            fds.push(fd);
+        }
+
+        let Attach { pio, mmio, em, .. } = at;
+        let event_loop = EventLoop::start(em).map_err(VmError::EventLoop)?;
+        let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
+        let mut vcpus = Vec::with_capacity(fds.len());
+        for (i, fd) in fds.into_iter().enumerate() {
+            let ctx = VcpuContext {
+                pio: pio.clone(),
+                mmio: mmio.clone(),
+                exit: exit.clone(),
+            };
+            vcpus.push(Vcpu::spawn(i as u8, fd, ctx)?);
+        }
+        Ok(Vm {
+            vcpus,
+            event_loop,
+            mailbox,
+            exit,
+            kernel,
+            _vm: vm,
+            ram,
+            config,
+        })
+    }
+
+    /// Runs (or keeps running) every vCPU.
+    pub fn resume(&mut self) -> Result<(), VmError> {
+        for v in &mut self.vcpus {
+            v.resume()?;
+        }
+        Ok(())
+    }
+
+    /// Takes every vCPU out of guest code and parks it; returns once all are parked.
+    pub fn pause(&mut self) -> Result<(), VmError> {
+        for v in &mut self.vcpus {
+            v.pause()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the VM to stop, at most `timeout` (forever with `None`).
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<ExitReason> {
+        self.exit.wait(timeout)
+    }
+
+    /// Why the VM stopped, if it has.
+    pub fn exit_reason(&self) -> Option<ExitReason> {
+        self.exit.get()
+    }
+
+    /// The VM's exit signal, to wait for its end (or request it with
+    /// `ExitReason::Stopped`) from another thread without holding the `Vm`.
+    pub fn exit_signal(&self) -> Arc<ExitSignal> {
+        self.exit.clone()
+    }
+
+    /// Whether every vCPU is parked by [`Vm::pause`].
+    pub fn is_paused(&self) -> bool {
+        self.vcpus.iter().all(|v| v.state() == VcpuState::Paused)
+    }
+
+    /// Stops the VM (if still running) and every thread it started.
+    pub fn stop(mut self) -> ExitReason {
+        self.exit.set(ExitReason::Stopped);
+        self.shutdown();
+        self.exit.get().unwrap_or(ExitReason::Stopped)
+    }
+
+    fn shutdown(&mut self) {
+        for v in &mut self.vcpus {
+            v.stop();
+        }
+        self.event_loop.stop();
+    }
+
+    /// The test guest's mailbox (for kernels with the direct entry).
+    pub fn mailbox(&self) -> Option<&Mailbox> {
+        self.mailbox.as_ref()
+    }
+
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        &self.ram.mem
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    pub fn entry_kind(&self) -> EntryKind {
+        self.kernel.kind
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.exit.set(ExitReason::Stopped);
+        self.shutdown();
+    }
+}
+
+fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    for (slot, r) in mem.iter().enumerate() {
+        let region = kvm_userspace_memory_region {
+            slot: slot as u32,
+            guest_phys_addr: r.start_addr().0,
+            memory_size: r.len(),
+            userspace_addr: r.as_ptr() as u64,
+            flags: 0,
+        };
+        // SAFETY: the region is a live host mapping of `memory_size` bytes owned
+        // by `mem`, which the Vm keeps alive for as long as the VM fd exists
+        // (field order in `Vm` stops every vCPU thread, then closes the VM fd,
+        // then unmaps the memory).
+        unsafe { vm.set_user_memory_region(region) }
+            .map_err(|e| VmError::KvmOp("register guest memory", e))?;
+    }
+    Ok(())
+}
+
+fn attach_virtio_devices(at: &mut Attach<'_>, config: &VmConfig) -> Result<(), VmError> {
+    for d in &config.disks {
+        let blk = Block::new(BlockConfig {
+            path: d.path.clone(),
+            read_only: d.read_only,
+            id: d.id.clone(),
+        })
+        .map_err(|e| VmError::Disk(d.path.clone(), e))?;
+        at.attach_virtio("virtio-blk", Arc::new(Mutex::new(blk)))?;
+    }
+    if let Some(v) = &config.vsock {
+        let dev = Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(VmError::Vsock)?;
+        at.attach_virtio("virtio-vsock", Arc::new(Mutex::new(dev)))?;
+    }
+    if config.rng {
+        let dev = Rng::new().map_err(VmError::Rng)?;
+        at.attach_virtio("virtio-rng", Arc::new(Mutex::new(dev)))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! Attaching devices to a VM, one `attach_*` step each: put the device on a
+//! bus, route its interrupt (KVM irqfd), its queue notifications (KVM
+//! ioeventfd) and its events (the event loop).
+
+use std::sync::{Arc, Mutex};
+
+use devices::legacy::{Serial, SerialOutput, I8042};
+use devices::virtio::mmio::{MmioTransport, NOTIFY_REG_OFFSET};
+use devices::virtio::VirtioDevice;
+use devices::Bus;
+use event_manager::{MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::{IoEventAddress, VmFd};
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::event_loop::{Manager, ResetWatcher};
+use crate::layout;
+use crate::mailbox::Mailbox;
+use crate::vcpu::ExitSignal;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("Cannot create an eventfd for {0}")]
+    EventFd(&'static str, #[source] std::io::Error),
+    #[error("KVM refused the interrupt route for {0}")]
+    Irqfd(&'static str, #[source] kvm_ioctls::Error),
+    #[error("KVM refused the queue notifier for {0}")]
+    Ioeventfd(&'static str, #[source] kvm_ioctls::Error),
+    #[error("Cannot place {0} on the bus")]
+    Bus(&'static str, #[source] devices::BusError),
+    #[error("No room for another virtio-mmio device")]
+    NoSlot,
+}
+
+/// The buses and routing being built for one VM.
+pub struct Attach<'a> {
+    pub vm: &'a VmFd,
+    pub mem: &'a GuestMemoryMmap,
+    pub pio: Bus,
+    pub mmio: Bus,
+    pub em: Manager,
+    pub exit: Arc<ExitSignal>,
+    /// `virtio_mmio.device=` entries for the kernel command line.
+    pub cmdline_devices: Vec<String>,
+    next_virtio: u32,
+}
+
+impl<'a> Attach<'a> {
+    pub fn new(vm: &'a VmFd, mem: &'a GuestMemoryMmap, em: Manager, exit: Arc<ExitSignal>) -> Self {
+        Self {
+            vm,
+            mem,
+            pio: Bus::new(),
+            mmio: Bus::new(),
+            em,
+            exit,
+            cmdline_devices: Vec::new(),
+            next_virtio: 0,
+        }
+    }
+
+    fn irq_eventfd(&self, what: &'static str, gsi: u32) -> Result<EventFd, AttachError> {
+        let evt = EventFd::new(EFD_NONBLOCK).map_err(|e| AttachError::EventFd(what, e))?;
+        self.vm
+            .register_irqfd(&evt, gsi)
+            .map_err(|e| AttachError::Irqfd(what, e))?;
+        Ok(evt)
+    }
+
+    /// The 8250 at port 0x3f8 (Linux's ttyS0) and at its MMIO alias (the test
+    /// guest's, since port I/O from guest user mode traps), on GSI 4.
+    pub fn attach_serial(&mut self, out: SerialOutput) -> Result<Arc<Mutex<Serial>>, AttachError> {
+        let evt = self.irq_eventfd("serial", layout::SERIAL_GSI)?;
+        let serial = Arc::new(Mutex::new(Serial::new(evt, out)));
+        self.pio
+            .insert(
+                serial.clone(),
+                u64::from(layout::SERIAL_PORT),
+                u64::from(layout::SERIAL_PORT_SIZE),
+            )
+            .map_err(|e| AttachError::Bus("serial", e))?;
+        self.mmio
+            .insert(
+                serial.clone(),
+                layout::SERIAL_MMIO,
+                layout::SERIAL_MMIO_SIZE,
+            )
+            .map_err(|e| AttachError::Bus("serial", e))?;
+        Ok(serial)
+    }
+
+    /// The i8042: a guest reset through it ends the VM with `ExitReason::Reset`.
+    pub fn attach_i8042(&mut self) -> Result<(), AttachError> {
+        let evt = EventFd::new(EFD_NONBLOCK).map_err(|e| AttachError::EventFd("i8042", e))?;
+        let watch = evt
+            .try_clone()
+            .map_err(|e| AttachError::EventFd("i8042", e))?;
+        self.pio
+            .insert(
+                Arc::new(Mutex::new(I8042::new(evt))),
+                u64::from(layout::I8042_PORT),
+                u64::from(layout::I8042_PORT_SIZE),
+            )
+            .map_err(|e| AttachError::Bus("i8042", e))?;
+        self.em.add_subscriber(Arc::new(Mutex::new(ResetWatcher {
+            evt: watch,
+            exit: self.exit.clone(),
+        })));
+        Ok(())
+    }
+
+    /// A virtio device on the next virtio-mmio window and its GSI.
+    pub fn attach_virtio<D>(
+        &mut self,
+        what: &'static str,
+        dev: Arc<Mutex<D>>,
+    ) -> Result<(), AttachError>
+    where
+        D: VirtioDevice + MutEventSubscriber + Send + 'static,
+    {
+        let i = self.next_virtio;
+        if i >= layout::VIRTIO_MMIO_MAX {
+            return Err(AttachError::NoSlot);
+        }
+        let base = layout::virtio_mmio_addr(i);
+        let gsi = layout::VIRTIO_GSI_BASE + i;
+        {
+            let d = devices::bus::lock(&dev);
+            self.vm
+                .register_irqfd(d.interrupt().eventfd(), gsi)
+                .map_err(|e| AttachError::Irqfd(what, e))?;
+            for (q, evt) in d.queue_events().iter().enumerate() {
+                self.vm
+                    .register_ioevent(
+                        evt,
+                        &IoEventAddress::Mmio(base + NOTIFY_REG_OFFSET),
+                        q as u32,
+                    )
+                    .map_err(|e| AttachError::Ioeventfd(what, e))?;
+            }
+        }
+        let transport = MmioTransport::new(self.mem.clone(), dev.clone());
+        self.mmio
+            .insert(
+                Arc::new(Mutex::new(transport)),
+                base,
+                layout::VIRTIO_MMIO_SIZE,
+            )
+            .map_err(|e| AttachError::Bus(what, e))?;
+        self.em.add_subscriber(dev);
+        self.cmdline_devices
+            .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
+        self.next_virtio += 1;
+        Ok(())
+    }
+
+    /// The test guest's mailbox: the doorbell device and one interrupt line per vCPU.
+    pub fn attach_mailbox(&mut self, vcpus: u8) -> Result<Mailbox, AttachError> {
+        let irqs = (0..vcpus)
+            .map(|c| self.irq_eventfd("mailbox", layout::MAILBOX_GSI_BASE + u32::from(c)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (mailbox, dev) = Mailbox::new(self.mem.clone(), irqs, self.exit.clone());
+        self.mmio
+            .insert(
+                Arc::new(Mutex::new(dev)),
+                layout::MAILBOX_MMIO,
+                layout::MAILBOX_MMIO_SIZE,
+            )
+            .map_err(|e| AttachError::Bus("mailbox", e))?;
+        Ok(mailbox)
+    }
+}
