@@ -3,6 +3,7 @@
 //! a vCPU's slot in guest RAM, raises that vCPU's interrupt line and waits for
 //! the doorbell.
 
+use devices::virtio::GuestMemoryMmap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use devices::bus::lock;
 use devices::BusDevice;
 use guest_abi::mailbox as abi;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::layout;

@@ -2,11 +2,12 @@
 //! 32-bit MMIO gap, and above 4 GiB), so the whole of RAM is one file that
 //! snapshots can write out and restores can map.
 
+use devices::virtio::GuestMemoryMmap;
 use std::ffi::CStr;
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
+use vm_memory::{FileOffset, GuestAddress};
 
 use crate::layout;
 

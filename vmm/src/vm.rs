@@ -1,5 +1,6 @@
 //! A running VM: KVM VM, guest RAM, devices, the event loop and vCPU threads.
 
+use devices::virtio::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::VmFd;
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::{boot, cpuid, kernel, regs};
 use crate::config::{ConfigError, VmConfig};

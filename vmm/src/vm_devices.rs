@@ -2,6 +2,7 @@
 //! bus, route its interrupt (KVM irqfd), its queue notifications (KVM
 //! ioeventfd) and its events (the event loop).
 
+use devices::virtio::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 
 use devices::legacy::{Serial, SerialOutput, I8042};
@@ -10,7 +11,7 @@ use devices::virtio::VirtioDevice;
 use devices::Bus;
 use event_manager::{MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::{IoEventAddress, VmFd};
-use vm_memory::GuestMemoryMmap;
+
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::event_loop::{Manager, ResetWatcher};

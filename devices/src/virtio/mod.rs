@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-pub use vm_memory::GuestMemoryMmap;
+/// Guest memory as devices see it: every write made through it (a device
+/// filling a buffer) is recorded in a per-page dirty bitmap, which diff
+/// snapshots combine with KVM's own dirty log.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
 
 pub mod block;
 pub mod mmio;

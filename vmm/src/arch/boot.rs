@@ -3,8 +3,9 @@
 //! its e820 map. Both the Linux 64-bit boot protocol and the test guest start
 //! from these.
 
+use devices::virtio::GuestMemoryMmap;
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 
 use crate::layout;
 

@@ -2,12 +2,13 @@
 //! `vmlinux`, or Sprout's test guest, which carries a "Sprout" ELF note and
 //! uses the direct multi-vCPU entry).
 
+use devices::virtio::GuestMemoryMmap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use linux_loader::loader::{elf::Elf, KernelLoader};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
 
 use crate::layout;
 use guest_abi::mailbox;

@@ -9,6 +9,7 @@
 //! outside guest RAM, a chain cut short by a loop or a bad `next`) is returned with used
 //! length 0. Any other fault answers IOERR; an unknown request type answers UNSUPP.
 
+use crate::virtio::GuestMemoryMmap;
 use log::debug;
 use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH,
@@ -16,7 +17,7 @@ use virtio_bindings::bindings::virtio_blk::{
 };
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::DescriptorChain;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::backend::DiskBackend;
 use super::{ID_BYTES, MAX_REQUEST_DATA, SECTOR_SIZE};

@@ -44,9 +44,10 @@ mod tests {
     use virtio_queue::desc::{split::Descriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
     use virtio_queue::Queue;
-    use vm_memory::{GuestAddress, GuestMemoryMmap};
+    use vm_memory::GuestAddress;
 
     use super::*;
+    use crate::virtio::GuestMemoryMmap;
     use crate::virtio::INT_VRING;
 
     #[test]

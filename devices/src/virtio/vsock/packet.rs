@@ -4,8 +4,9 @@
 //! exactly `len` data bytes, split across descriptors any way the driver likes. An rx
 //! chain (device to driver) must be all device-writable and hold at least a header.
 
+use crate::virtio::GuestMemoryMmap;
 use virtio_queue::DescriptorChain;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use super::MAX_PKT_DATA;
 

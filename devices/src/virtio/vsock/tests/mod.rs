@@ -6,6 +6,7 @@
 mod connections;
 mod hostile;
 
+use crate::virtio::GuestMemoryMmap;
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -18,7 +19,7 @@ use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRI
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::Queue;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress};
 use vmm_sys_util::tempdir::TempDir;
 
 use super::device::{EVQ, RXQ, TXQ};
