@@ -6,6 +6,8 @@
 
 pub mod bus;
 pub mod legacy;
+pub mod state;
 pub mod virtio;
 
 pub use bus::{Bus, BusDevice, BusError};
+pub use state::StateError;

@@ -2,9 +2,21 @@
 //! machine: writing 0xfe (pulse the reset line) to the command port signals the
 //! VMM's reset event, which ends the VM.
 
+use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::BusDevice;
+use crate::state::{check_version, StateError};
+
+/// Version of [`I8042State`] this build writes and reads.
+pub const I8042_STATE_VERSION: u16 = 1;
+
+/// The controller keeps nothing between accesses (no keyboard, output buffer always
+/// empty), so its state is only its version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct I8042State {
+    pub version: u16,
+}
 
 /// Offsets from the data port (0x60): 0 = data, 4 = command/status (0x64).
 const OFF_DATA: u64 = 0;
@@ -25,9 +37,22 @@ impl I8042 {
         }
     }
 
-    /// How many resets the guest asked for.
+    /// How many resets the guest asked for (since this device was made: a restored
+    /// device starts counting again).
     pub fn resets(&self) -> u64 {
         self.resets
+    }
+
+    pub fn save_state(&self) -> I8042State {
+        I8042State {
+            version: I8042_STATE_VERSION,
+        }
+    }
+
+    /// A controller in `state` that writes `reset_evt` when the guest asks for a reset.
+    pub fn from_state(reset_evt: EventFd, state: &I8042State) -> Result<Self, StateError> {
+        check_version("i8042", state.version, I8042_STATE_VERSION)?;
+        Ok(Self::new(reset_evt))
     }
 }
 
@@ -55,6 +80,18 @@ impl BusDevice for I8042 {
 mod tests {
     use super::*;
     use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    #[test]
+    fn state_round_trips() {
+        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
+        let saved = I8042::new(evt.try_clone().unwrap()).save_state();
+        let state = crate::state::postcard_round_trip(&saved);
+        assert_eq!(state, saved);
+        let mut dev = I8042::from_state(evt.try_clone().unwrap(), &state).unwrap();
+        dev.write(OFF_COMMAND, &[CMD_RESET_CPU]);
+        assert_eq!(evt.read().unwrap(), 1);
+        assert!(I8042::from_state(evt, &I8042State { version: 0 }).is_err());
+    }
 
     #[test]
     fn reset_command_signals_and_others_do_not() {

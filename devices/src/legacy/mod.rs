@@ -3,5 +3,5 @@
 pub mod i8042;
 pub mod serial;
 
-pub use i8042::I8042;
-pub use serial::{Serial, SerialOutput};
+pub use i8042::{I8042State, I8042};
+pub use serial::{Serial, SerialOutput, SerialState};

@@ -1,17 +1,29 @@
 //! The 8250 UART (vm-superio) as a bus device, reachable both at port 0x3f8 and
 //! at an MMIO alias (byte registers), with its output sent to stdout, a file or a
 //! bounded in-memory buffer, and its interrupt raised through an eventfd (irqfd).
+//!
+//! [`SerialState`] saves the UART registers and the input the guest has not read yet;
+//! where the output goes is the VMM's to choose again at restore.
 
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 
-use vm_superio::serial::NoEvents;
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{NoEvents, SerialState as UartState};
 use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::{lock, BusDevice};
+use crate::state::{check_version, StateError};
+
+/// Version of [`SerialState`] this build writes and reads.
+pub const SERIAL_STATE_VERSION: u16 = 1;
+/// Most input bytes the UART holds (its FIFO).
+pub const SERIAL_FIFO_SIZE: usize = 64;
+
+const WHAT: &str = "serial";
 
 /// Where the guest console goes.
 #[derive(Clone)]
@@ -109,6 +121,81 @@ impl Serial {
     pub fn enqueue_input(&mut self, input: &[u8]) -> usize {
         self.uart.enqueue_raw_bytes(input).unwrap_or(0)
     }
+
+    /// The UART registers and pending input.
+    pub fn save_state(&self) -> SerialState {
+        let s = self.uart.state();
+        SerialState {
+            version: SERIAL_STATE_VERSION,
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// A UART in `state`, raising `irq_evt` and writing to `out`. An interrupt that was
+    /// pending (data ready or transmitter empty, and enabled) is raised again.
+    pub fn from_state(
+        irq_evt: EventFd,
+        out: SerialOutput,
+        state: &SerialState,
+    ) -> Result<Self, StateError> {
+        check_version(WHAT, state.version, SERIAL_STATE_VERSION)?;
+        if state.in_buffer.len() > SERIAL_FIFO_SIZE {
+            return Err(StateError::invalid(
+                WHAT,
+                format!(
+                    "{} input bytes pending, the FIFO holds {SERIAL_FIFO_SIZE}",
+                    state.in_buffer.len()
+                ),
+            ));
+        }
+        let uart_state = UartState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        let uart = vm_superio::Serial::from_state(
+            &uart_state,
+            EventFdTrigger(irq_evt),
+            NoEvents,
+            ConsoleWriter(out),
+        )
+        .map_err(|e| StateError::invalid(WHAT, format!("{e:?}")))?;
+        Ok(Self { uart })
+    }
+}
+
+/// The 8250's registers (vm-superio's `SerialState`, which has no serde) and the input
+/// the guest has not read yet.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialState {
+    pub version: u16,
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    /// Received bytes not read yet, oldest first; at most [`SERIAL_FIFO_SIZE`].
+    pub in_buffer: Vec<u8>,
 }
 
 impl BusDevice for Serial {
@@ -152,6 +239,56 @@ mod tests {
         assert_eq!(d[0], 0);
         s.write(100, &[1]);
         s.write(0, &[]);
+    }
+
+    #[test]
+    fn state_round_trips_with_pending_input() {
+        let evt = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut s = Serial::new(evt.try_clone().unwrap(), SerialOutput::Sink);
+        // Line control 8N1 with DLAB, a divisor, then back; scratch; data interrupt on.
+        s.write(3, &[0x83]);
+        s.write(0, &[0x0c]);
+        s.write(3, &[0x03]);
+        s.write(7, &[0x5a]);
+        s.write(1, &[1]);
+        assert_eq!(s.enqueue_input(b"xyz"), 3);
+        let _ = evt.read();
+
+        let saved = s.save_state();
+        assert_eq!(saved.in_buffer, b"xyz");
+        let state = crate::state::postcard_round_trip(&saved);
+        assert_eq!(state, saved);
+        let evt2 = EventFd::new(EFD_NONBLOCK).unwrap();
+        let buf = ConsoleBuffer::new(16);
+        let mut r = Serial::from_state(
+            evt2.try_clone().unwrap(),
+            SerialOutput::Buffer(buf.clone()),
+            &state,
+        )
+        .unwrap();
+        assert_eq!(r.save_state(), saved);
+        // The pending data interrupt is raised again, and the input reads on.
+        assert_eq!(evt2.read().unwrap(), 1);
+        let mut d = [0u8; 1];
+        for want in b"xyz" {
+            r.read(0, &mut d);
+            assert_eq!(d[0], *want);
+        }
+        r.read(7, &mut d);
+        assert_eq!(d[0], 0x5a);
+        r.write(0, b"!");
+        assert_eq!(buf.text(), "!");
+
+        let mut bad = saved.clone();
+        bad.in_buffer = vec![0; 65];
+        let err = Serial::from_state(evt.try_clone().unwrap(), SerialOutput::Sink, &bad);
+        assert!(err.err().unwrap().to_string().contains("65 input bytes"));
+        let mut bad = saved;
+        bad.version = 9;
+        assert!(matches!(
+            Serial::from_state(evt, SerialOutput::Sink, &bad),
+            Err(StateError::Version { found: 9, .. })
+        ));
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //!
 //! Every register value is guest-controlled: out-of-order status writes, bad selectors and
 //! odd-sized accesses are ignored (and logged at debug level), never fatal.
+//!
+//! `persist` saves the transport ([`MmioTransportState`], queue positions taken from the
+//! device) and restores it in front of a fresh device, re-activating that device.
 
 use std::sync::{Arc, Mutex};
 
@@ -85,6 +88,7 @@ pub struct MmioTransport {
     driver_features_sel: u32,
     acked_features: u64,
     queue_sel: u32,
+    config_generation: u32,
 }
 
 impl MmioTransport {
@@ -111,6 +115,7 @@ impl MmioTransport {
             driver_features_sel: 0,
             acked_features: 0,
             queue_sel: 0,
+            config_generation: 0,
         }
     }
 
@@ -166,8 +171,9 @@ impl MmioTransport {
             }
             // No shared memory regions: every one reads as length and base -1.
             REG_SHM_LEN_LOW | REG_SHM_LEN_HIGH | REG_SHM_BASE_LOW | REG_SHM_BASE_HIGH => u32::MAX,
-            // Config space never changes under the driver's feet in our devices.
-            REG_CONFIG_GENERATION => 0,
+            // Config space never changes under the driver's feet in our devices, so
+            // this stays at its initial (or restored) value.
+            REG_CONFIG_GENERATION => self.config_generation,
             _ => {
                 debug!("virtio-mmio: read of unknown or write-only register {offset:#x}");
                 0
@@ -399,5 +405,8 @@ impl BusDevice for MmioTransport {
     }
 }
 
+mod persist;
 #[cfg(test)]
 mod tests;
+
+pub use persist::{MmioTransportState, VirtqueueState, MMIO_STATE_VERSION};

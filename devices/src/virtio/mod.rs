@@ -9,8 +9,11 @@
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::state::StateError;
 
 /// Guest memory as devices see it: every write made through it (a device
 /// filling a buffer) is recorded in a per-page dirty bitmap, which diff
@@ -20,6 +23,8 @@ pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicB
 pub mod block;
 pub mod mmio;
 pub mod rng;
+#[cfg(test)]
+pub(crate) mod test_ring;
 pub mod vsock;
 
 /// virtio device ids.
@@ -69,6 +74,16 @@ impl Interrupt {
         self.status.store(0, Ordering::SeqCst);
     }
 
+    /// Restores a saved status; a non-zero one raises the line once more (the guest
+    /// may not have seen it before the snapshot; a spurious interrupt is harmless).
+    pub fn restore_status(&self, bits: u32) -> io::Result<()> {
+        self.status.store(bits, Ordering::SeqCst);
+        if bits != 0 {
+            self.evt.write(1)?;
+        }
+        Ok(())
+    }
+
     pub fn eventfd(&self) -> &EventFd {
         &self.evt
     }
@@ -80,6 +95,41 @@ pub enum ActivateError {
     QueueCount { expected: usize, got: usize },
     #[error("Device backend failed to start")]
     Backend(#[source] io::Error),
+}
+
+/// The part of a virtio device's saved state every device has: whether the driver had
+/// activated it, with which features, and whether it had found the driver's queues
+/// broken (DEVICE_NEEDS_RESET). Embedded in each device's own state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VirtioDeviceState {
+    pub activated: bool,
+    pub acked_features: u64,
+    pub needs_reset: bool,
+}
+
+impl VirtioDeviceState {
+    /// Checks the values a device of kind `what` offering `avail_features` could have.
+    pub(crate) fn validate(
+        &self,
+        what: &'static str,
+        avail_features: u64,
+    ) -> Result<(), StateError> {
+        if self.activated {
+            let unoffered = self.acked_features & !avail_features;
+            if unoffered != 0 {
+                return Err(StateError::invalid(
+                    what,
+                    format!("acked features {unoffered:#x} were never offered"),
+                ));
+            }
+        } else if self.acked_features != 0 || self.needs_reset {
+            return Err(StateError::invalid(
+                what,
+                "an inactive device has acked features or needs a reset",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What the virtio-mmio transport needs from a device.
@@ -112,6 +162,14 @@ pub trait VirtioDevice: Send {
         false
     }
     fn is_activated(&self) -> bool;
+    /// The queues the device serves, with their live ring indices (the transport's own
+    /// copies stop at DRIVER_OK); empty before activation. Read by the transport's
+    /// `save_state`.
+    fn active_queues(&self) -> &[Queue];
+    /// What the device's own restore recorded about its activation, until the
+    /// transport's restore re-activates it (or a reset); `None` for a device that was
+    /// not restored. `MmioTransport::restore` checks it against the transport's state.
+    fn restored_state(&self) -> Option<VirtioDeviceState>;
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The virtio-blk device: features, config space, activation and the request queue.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use log::warn;
 use virtio_bindings::bindings::virtio_blk::{
@@ -10,11 +11,12 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::backend::{DiskBackend, FileDisk};
+use super::layered::LayeredDisk;
 use super::request::{self, DiskInfo};
 use super::{BlockError, ID_BYTES, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SIZE_MAX};
 use crate::virtio::{
-    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, INT_CONFIG, INT_VRING, TYPE_BLOCK,
-    VIRTIO_F_VERSION_1,
+    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
+    INT_VRING, TYPE_BLOCK, VIRTIO_F_VERSION_1,
 };
 
 /// Config space: capacity (u64 sectors) at 0, size_max (u32) at 8, seg_max (u32) at 12.
@@ -32,24 +34,28 @@ pub struct BlockConfig {
 }
 
 /// What the device holds between DRIVER_OK and reset.
-struct Active {
+pub(super) struct Active {
     mem: GuestMemoryMmap,
     queue: Queue,
-    acked_features: u64,
+    pub(super) acked_features: u64,
 }
 
 /// A virtio-blk device over a [`DiskBackend`].
 pub struct Block {
     disk: Box<dyn DiskBackend>,
-    read_only: bool,
+    /// The same backend when it is a [`LayeredDisk`], for the VMM to reach at snapshots.
+    layered: Option<Arc<LayeredDisk>>,
+    pub(super) read_only: bool,
     id: [u8; ID_BYTES],
-    capacity_bytes: u64,
-    avail_features: u64,
+    pub(super) capacity_bytes: u64,
+    pub(super) avail_features: u64,
     config: [u8; CONFIG_LEN],
     queue_evts: [EventFd; 1],
     interrupt: Interrupt,
-    active: Option<Active>,
-    needs_reset: bool,
+    pub(super) active: Option<Active>,
+    pub(super) needs_reset: bool,
+    /// Set by `restore_state` until the transport re-activates the device.
+    pub(super) restored: Option<VirtioDeviceState>,
     /// Bounce buffer between the disk and guest memory, reused across requests.
     buf: Vec<u8>,
 }
@@ -91,6 +97,7 @@ impl Block {
 
         Ok(Self {
             disk,
+            layered: None,
             read_only,
             id: id_bytes,
             capacity_bytes,
@@ -100,8 +107,26 @@ impl Block {
             interrupt: Interrupt::new().map_err(BlockError::EventFd)?,
             active: None,
             needs_reset: false,
+            restored: None,
             buf: Vec::new(),
         })
+    }
+
+    /// A device over a layered copy-on-write disk that the VMM also holds (to write
+    /// its layers at snapshots); [`Block::layered_disk`] gives it back.
+    pub fn with_layered(
+        disk: Arc<LayeredDisk>,
+        read_only: bool,
+        id: &str,
+    ) -> Result<Self, BlockError> {
+        let mut dev = Self::with_backend(Box::new(disk.clone()), read_only, id)?;
+        dev.layered = Some(disk);
+        Ok(dev)
+    }
+
+    /// The layered disk behind this device, if it was built with [`Block::with_layered`].
+    pub fn layered_disk(&self) -> Option<&Arc<LayeredDisk>> {
+        self.layered.as_ref()
     }
 
     /// Disk size in 512-byte sectors.
@@ -226,7 +251,9 @@ impl VirtioDevice for Block {
                 got: 0,
             });
         };
-        self.needs_reset = false;
+        // needs_reset is false here unless a restore brought it back: a device only
+        // breaks while active, and a reset clears it.
+        self.restored = None;
         self.active = Some(Active {
             mem,
             queue,
@@ -238,6 +265,7 @@ impl VirtioDevice for Block {
     fn reset(&mut self) {
         self.active = None;
         self.needs_reset = false;
+        self.restored = None;
         self.interrupt.clear();
         // A notify that raced with the reset must not be served by the next activation.
         let _ = self.queue_evts[0].read();
@@ -257,6 +285,16 @@ impl VirtioDevice for Block {
 
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    fn active_queues(&self) -> &[Queue] {
+        self.active
+            .as_ref()
+            .map_or(&[], |a| std::slice::from_ref(&a.queue))
+    }
+
+    fn restored_state(&self) -> Option<VirtioDeviceState> {
+        self.restored
     }
 }
 

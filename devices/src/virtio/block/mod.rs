@@ -4,8 +4,13 @@
 //!   `event_manager::MutEventSubscriber`);
 //! - [`DiskBackend`] is where sectors live, [`FileDisk`] the plain-file one (a layered
 //!   copy-on-write backend for forks can implement the same trait);
+//! - [`LayeredDisk`] is the copy-on-write one: read-only layers under a private
+//!   writable top, frozen into new layers at snapshots (see `layered`);
 //! - `request` parses and serves one descriptor chain, treating every guest value as
-//!   hostile.
+//!   hostile;
+//! - `persist` saves and restores the device ([`BlockState`]). Requests are served
+//!   whole within one event-loop dispatch, so between dispatches no request is half
+//!   done: the ones the device has not taken are still in the avail ring.
 //!
 //! Limits: one queue of at most [`QUEUE_SIZE`] entries; at most [`MAX_REQUEST_DATA`]
 //! bytes of data per request, which a driver honouring the advertised `seg_max`
@@ -14,6 +19,8 @@
 mod backend;
 mod device;
 mod event_handler;
+pub mod layered;
+mod persist;
 mod request;
 
 use std::io;
@@ -21,6 +28,8 @@ use std::path::PathBuf;
 
 pub use backend::{DiskBackend, FileDisk};
 pub use device::{Block, BlockConfig};
+pub use layered::{LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError};
+pub use persist::{BlockState, BLOCK_STATE_VERSION};
 
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR_SIZE: u64 = 512;

@@ -1,27 +1,29 @@
 //! Transport tests against a recording dummy device.
 
 use super::*;
-use crate::virtio::{ActivateError, Interrupt, INT_VRING};
+use crate::virtio::{ActivateError, Interrupt, VirtioDeviceState, INT_VRING};
 use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-const FEATURE_HIGH: u64 = 1 << 40;
-const FEATURE_LOW: u64 = 1 << 3;
+pub(super) const FEATURE_HIGH: u64 = 1 << 40;
+pub(super) const FEATURE_LOW: u64 = 1 << 3;
 
 #[derive(Default)]
-struct Record {
-    activations: Vec<(u64, Vec<virtio_queue::QueueState>)>,
-    resets: usize,
+pub(super) struct Record {
+    pub activations: Vec<(u64, Vec<virtio_queue::QueueState>)>,
+    pub resets: usize,
 }
 
-struct Dummy {
-    record: Arc<Mutex<Record>>,
-    evts: Vec<EventFd>,
-    interrupt: Interrupt,
-    config: [u8; 8],
-    fail_activate: bool,
-    needs_reset: bool,
-    activated: bool,
+pub(super) struct Dummy {
+    pub record: Arc<Mutex<Record>>,
+    pub evts: Vec<EventFd>,
+    pub interrupt: Interrupt,
+    pub config: [u8; 8],
+    pub fail_activate: bool,
+    pub needs_reset: bool,
+    pub activated: bool,
+    pub queues: Vec<Queue>,
+    pub restored: Option<VirtioDeviceState>,
 }
 
 impl VirtioDevice for Dummy {
@@ -65,11 +67,13 @@ impl VirtioDevice for Dummy {
             .activations
             .push((acked, states));
         self.activated = true;
+        self.queues = queues;
         Ok(())
     }
     fn reset(&mut self) {
         self.record.lock().unwrap().resets += 1;
         self.activated = false;
+        self.queues.clear();
     }
     fn queue_events(&self) -> &[EventFd] {
         &self.evts
@@ -83,13 +87,17 @@ impl VirtioDevice for Dummy {
     fn is_activated(&self) -> bool {
         self.activated
     }
+    fn active_queues(&self) -> &[Queue] {
+        &self.queues
+    }
+    fn restored_state(&self) -> Option<VirtioDeviceState> {
+        self.restored
+    }
 }
 
-fn setup() -> (MmioTransport, Arc<Mutex<Dummy>>, Arc<Mutex<Record>>) {
-    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
-    let record = Arc::new(Mutex::new(Record::default()));
-    let dev = Arc::new(Mutex::new(Dummy {
-        record: record.clone(),
+pub(super) fn dummy(record: Arc<Mutex<Record>>) -> Dummy {
+    Dummy {
+        record,
         evts: vec![
             EventFd::new(EFD_NONBLOCK).unwrap(),
             EventFd::new(EFD_NONBLOCK).unwrap(),
@@ -99,22 +107,30 @@ fn setup() -> (MmioTransport, Arc<Mutex<Dummy>>, Arc<Mutex<Record>>) {
         fail_activate: false,
         needs_reset: false,
         activated: false,
-    }));
+        queues: Vec::new(),
+        restored: None,
+    }
+}
+
+pub(super) fn setup() -> (MmioTransport, Arc<Mutex<Dummy>>, Arc<Mutex<Record>>) {
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+    let record = Arc::new(Mutex::new(Record::default()));
+    let dev = Arc::new(Mutex::new(dummy(record.clone())));
     let t = MmioTransport::new(mem, dev.clone());
     (t, dev, record)
 }
 
-fn rd(t: &mut MmioTransport, off: u64) -> u32 {
+pub(super) fn rd(t: &mut MmioTransport, off: u64) -> u32 {
     let mut b = [0u8; 4];
     t.read(off, &mut b);
     u32::from_le_bytes(b)
 }
 
-fn wr(t: &mut MmioTransport, off: u64, v: u32) {
+pub(super) fn wr(t: &mut MmioTransport, off: u64, v: u32) {
     t.write(off, &v.to_le_bytes());
 }
 
-fn ack_features(t: &mut MmioTransport, features: u64) {
+pub(super) fn ack_features(t: &mut MmioTransport, features: u64) {
     wr(t, REG_DRIVER_FEATURES_SEL, 0);
     wr(t, REG_DRIVER_FEATURES, features as u32);
     wr(t, REG_DRIVER_FEATURES_SEL, 1);
@@ -122,7 +138,7 @@ fn ack_features(t: &mut MmioTransport, features: u64) {
 }
 
 /// Sets up queue `sel` with `size` entries at `base` (desc, then avail, then used).
-fn setup_queue(t: &mut MmioTransport, sel: u32, size: u32, base: u32) {
+pub(super) fn setup_queue(t: &mut MmioTransport, sel: u32, size: u32, base: u32) {
     wr(t, REG_QUEUE_SEL, sel);
     wr(t, REG_QUEUE_NUM, size);
     wr(t, REG_QUEUE_DESC_LOW, base);
@@ -134,7 +150,7 @@ fn setup_queue(t: &mut MmioTransport, sel: u32, size: u32, base: u32) {
     wr(t, REG_QUEUE_READY, 1);
 }
 
-fn to_features_ok(t: &mut MmioTransport) {
+pub(super) fn to_features_ok(t: &mut MmioTransport) {
     wr(t, REG_STATUS, ACKNOWLEDGE);
     wr(t, REG_STATUS, ACKNOWLEDGE | DRIVER);
     ack_features(t, VIRTIO_F_VERSION_1 | FEATURE_LOW);
@@ -142,7 +158,7 @@ fn to_features_ok(t: &mut MmioTransport) {
     assert_eq!(rd(t, REG_STATUS), ACKNOWLEDGE | DRIVER | FEATURES_OK);
 }
 
-const ALL_OK: u32 = ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK;
+pub(super) const ALL_OK: u32 = ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK;
 
 #[test]
 fn identification_registers() {
@@ -478,4 +494,31 @@ fn config_space_accesses() {
     // Offsets that would overflow are harmless.
     t.read(u64::MAX - 3, &mut [0u8; 4]);
     t.write(u64::MAX - 3, &[0u8; 4]);
+}
+
+impl MmioTransport {
+    /// Test helper for device tests: what a driver does up to DRIVER_OK, accepting
+    /// `features` and setting up queue `i` as `queues[i]` = (size, desc, avail, used).
+    pub(crate) fn drive_to_driver_ok(&mut self, features: u64, queues: &[(u16, u64, u64, u64)]) {
+        wr(self, REG_STATUS, 0);
+        wr(self, REG_STATUS, ACKNOWLEDGE);
+        wr(self, REG_STATUS, ACKNOWLEDGE | DRIVER);
+        ack_features(self, features);
+        wr(self, REG_STATUS, ACKNOWLEDGE | DRIVER | FEATURES_OK);
+        for (i, &(size, desc, avail, used)) in queues.iter().enumerate() {
+            wr(self, REG_QUEUE_SEL, i as u32);
+            wr(self, REG_QUEUE_NUM, u32::from(size));
+            for (low, addr) in [
+                (REG_QUEUE_DESC_LOW, desc),
+                (REG_QUEUE_DRIVER_LOW, avail),
+                (REG_QUEUE_DEVICE_LOW, used),
+            ] {
+                wr(self, low, addr as u32);
+                wr(self, low + 4, (addr >> 32) as u32);
+            }
+            wr(self, REG_QUEUE_READY, 1);
+        }
+        wr(self, REG_STATUS, ALL_OK);
+        assert_eq!(rd(self, REG_STATUS), ALL_OK, "device activated");
+    }
 }

@@ -11,14 +11,15 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::{RngError, ENTROPY_SOURCE, MAX_CHAIN_BYTES, QUEUE_SIZE};
 use crate::virtio::{
-    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, INT_CONFIG, INT_VRING, TYPE_RNG,
-    VIRTIO_F_VERSION_1,
+    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
+    INT_VRING, TYPE_RNG, VIRTIO_F_VERSION_1,
 };
 
 /// What the device holds between DRIVER_OK and reset.
-struct Active {
+pub(super) struct Active {
     mem: GuestMemoryMmap,
     queue: Queue,
+    pub(super) acked_features: u64,
 }
 
 /// A virtio-rng device backed by /dev/urandom (opened once).
@@ -26,8 +27,10 @@ pub struct Rng {
     source: File,
     queue_evts: [EventFd; 1],
     interrupt: Interrupt,
-    active: Option<Active>,
-    needs_reset: bool,
+    pub(super) active: Option<Active>,
+    pub(super) needs_reset: bool,
+    /// Set by `from_state` until the transport re-activates the device.
+    pub(super) restored: Option<VirtioDeviceState>,
     /// Bounce buffer between the entropy source and guest memory.
     buf: Vec<u8>,
 }
@@ -40,6 +43,7 @@ impl Rng {
             interrupt: Interrupt::new().map_err(RngError::EventFd)?,
             active: None,
             needs_reset: false,
+            restored: None,
             buf: Vec::new(),
         })
     }
@@ -163,21 +167,27 @@ impl VirtioDevice for Rng {
     fn activate(
         &mut self,
         mem: GuestMemoryMmap,
-        _acked_features: u64,
+        acked_features: u64,
         mut queues: Vec<Queue>,
     ) -> Result<(), ActivateError> {
         let got = queues.len();
         let (1, Some(queue)) = (got, queues.pop()) else {
             return Err(ActivateError::QueueCount { expected: 1, got });
         };
-        self.needs_reset = false;
-        self.active = Some(Active { mem, queue });
+        // needs_reset is false here unless a restore brought it back.
+        self.restored = None;
+        self.active = Some(Active {
+            mem,
+            queue,
+            acked_features,
+        });
         Ok(())
     }
 
     fn reset(&mut self) {
         self.active = None;
         self.needs_reset = false;
+        self.restored = None;
         self.interrupt.clear();
         let _ = self.queue_evts[0].read();
     }
@@ -196,6 +206,16 @@ impl VirtioDevice for Rng {
 
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    fn active_queues(&self) -> &[Queue] {
+        self.active
+            .as_ref()
+            .map_or(&[], |a| std::slice::from_ref(&a.queue))
+    }
+
+    fn restored_state(&self) -> Option<VirtioDeviceState> {
+        self.restored
     }
 }
 

@@ -5,13 +5,18 @@
 //! per chain (the driver asks again for more). A chain with a device-readable
 //! descriptor, a buffer outside guest RAM, or that is cut short (loop, bad `next`) is
 //! returned with used length 0.
+//!
+//! Chains are filled whole within one event-loop dispatch, so a saved state
+//! ([`RngState`]) never has one half done.
 
 mod device;
 mod event_handler;
+mod persist;
 
 use std::io;
 
 pub use device::Rng;
+pub use persist::{RngState, RNG_STATE_VERSION};
 
 /// Maximum size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -28,4 +33,6 @@ pub enum RngError {
     EventFd(#[source] io::Error),
     #[error("Request queue is broken, the device needs a reset")]
     QueueBroken(#[source] virtio_queue::Error),
+    #[error("Cannot restore the device")]
+    State(#[source] crate::state::StateError),
 }

@@ -14,8 +14,8 @@ use super::muxer::Muxer;
 use super::packet::{self, WritableChain, EVENT_TRANSPORT_RESET, HDR_SIZE};
 use super::{VsockError, MAX_PKT_DATA, QUEUE_SIZE};
 use crate::virtio::{
-    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, INT_VRING, TYPE_VSOCK,
-    VIRTIO_F_VERSION_1,
+    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_VRING,
+    TYPE_VSOCK, VIRTIO_F_VERSION_1,
 };
 
 pub(super) const RXQ: usize = 0;
@@ -48,9 +48,11 @@ pub struct Vsock {
     pub(super) timer_armed: bool,
     pub(super) tick: Duration,
     active: Option<Active>,
-    acked_features: u64,
-    needs_reset: bool,
-    reset_event_pending: bool,
+    pub(super) acked_features: u64,
+    pub(super) needs_reset: bool,
+    pub(super) reset_event_pending: bool,
+    /// Set by `from_state` until the transport re-activates the device.
+    pub(super) restored: Option<VirtioDeviceState>,
     scratch: Vec<u8>,
 }
 
@@ -102,6 +104,7 @@ impl Vsock {
             acked_features: 0,
             needs_reset: false,
             reset_event_pending: false,
+            restored: None,
             scratch: vec![0; MAX_PKT_DATA as usize],
         })
     }
@@ -342,7 +345,8 @@ impl VirtioDevice for Vsock {
         }
         self.acked_features = acked_features;
         self.active = Some(Active { mem, queues });
-        self.needs_reset = false;
+        // needs_reset is false here unless a restore brought it back.
+        self.restored = None;
         self.wake();
         Ok(())
     }
@@ -351,6 +355,7 @@ impl VirtioDevice for Vsock {
         self.active = None;
         self.acked_features = 0;
         self.needs_reset = false;
+        self.restored = None;
         self.reset_event_pending = false;
         self.muxer.clear();
         self.wake();
@@ -370,6 +375,14 @@ impl VirtioDevice for Vsock {
 
     fn is_activated(&self) -> bool {
         self.active.is_some()
+    }
+
+    fn active_queues(&self) -> &[Queue] {
+        self.active.as_ref().map_or(&[], |a| &a.queues)
+    }
+
+    fn restored_state(&self) -> Option<VirtioDeviceState> {
+        self.restored
     }
 }
 

@@ -19,6 +19,14 @@
 //! shutdown), `muxer` (the connection table and packet routing), `device` (the
 //! [`VirtioDevice`](super::VirtioDevice)) and `event_handler` (its event-loop side).
 //!
+//! Snapshots (`persist`, [`VsockState`]) keep the guest CID, the negotiated features and
+//! a pending transport-reset event, not connections: host streams cannot be carried
+//! into another process, so whatever a connection had buffered (host-to-guest bytes not
+//! yet in an rx buffer, queued RSTs) is dropped. A restored device starts with no
+//! connections; once the VM runs the VMM calls [`Vsock::send_transport_reset`] and the
+//! guest drops its side of them. Packets are moved whole within one event-loop
+//! dispatch, so a state saved between dispatches has none half done.
+//!
 //! Every guest value is hostile: malformed packets are dropped or answered with RST, the
 //! host never buffers more for a connection than the credit it advertised
 //! ([`CONN_BUF_SIZE`]), and the number of connections is bounded ([`MAX_CONNECTIONS`]).
@@ -29,6 +37,7 @@ mod event_handler;
 mod handshake;
 mod muxer;
 mod packet;
+mod persist;
 #[cfg(test)]
 mod tests;
 
@@ -37,6 +46,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use device::Vsock;
+pub use persist::{VsockState, VSOCK_STATE_VERSION};
 
 /// The host's CID, source of every packet the device sends.
 pub const HOST_CID: u64 = 2;
@@ -72,4 +82,6 @@ pub enum VsockError {
     EventFd(#[source] io::Error),
     #[error("Cannot create a timer")]
     Timer(#[source] io::Error),
+    #[error("Cannot restore the device")]
+    State(#[source] crate::state::StateError),
 }

@@ -1,0 +1,134 @@
+//! Saving and restoring an [`Rng`] device (its queue is the transport's to restore).
+
+use serde::{Deserialize, Serialize};
+
+use super::device::Rng;
+use super::RngError;
+use crate::state::check_version;
+use crate::virtio::{VirtioDevice, VirtioDeviceState};
+
+/// Version of [`RngState`] this build writes and reads.
+pub const RNG_STATE_VERSION: u16 = 1;
+
+const WHAT: &str = "virtio-rng";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    pub version: u16,
+    pub virtio: VirtioDeviceState,
+}
+
+impl Rng {
+    /// The device's state; call it between event-loop dispatches.
+    pub fn save_state(&self) -> RngState {
+        RngState {
+            version: RNG_STATE_VERSION,
+            virtio: VirtioDeviceState {
+                activated: self.is_activated(),
+                acked_features: self.active.as_ref().map_or(0, |a| a.acked_features),
+                needs_reset: self.needs_reset,
+            },
+        }
+    }
+
+    /// A new device in `state`, for `MmioTransport::restore` to re-activate with the
+    /// saved queue.
+    pub fn from_state(state: &RngState) -> Result<Self, RngError> {
+        check_version(WHAT, state.version, RNG_STATE_VERSION).map_err(RngError::State)?;
+        let mut rng = Self::new()?;
+        state
+            .virtio
+            .validate(WHAT, rng.avail_features())
+            .map_err(RngError::State)?;
+        rng.needs_reset = state.virtio.needs_reset;
+        rng.restored = Some(state.virtio);
+        Ok(rng)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use virtio_bindings::bindings::virtio_ring::VRING_DESC_F_WRITE;
+    use virtio_queue::desc::{split::Descriptor, RawDescriptor};
+    use vm_memory::GuestAddress;
+
+    use super::*;
+    use crate::bus::lock;
+    use crate::state::{copy_guest_memory, postcard_round_trip, StateError};
+    use crate::virtio::mmio::MmioTransport;
+    use crate::virtio::test_ring::Ring;
+    use crate::virtio::{GuestMemoryMmap, VIRTIO_F_VERSION_1};
+
+    fn ring() -> Ring {
+        Ring::at(0, 16)
+    }
+
+    fn offer(mem: &GuestMemoryMmap, slot: u16, len: u32) {
+        let addr = 0x8000 + u64::from(slot) * 0x100;
+        let desc = Descriptor::new(addr, len, VRING_DESC_F_WRITE as u16, 0);
+        ring().offer(mem, &[RawDescriptor::from(desc)], slot);
+    }
+
+    fn used(mem: &GuestMemoryMmap) -> Vec<(u32, u32)> {
+        ring().used(mem)
+    }
+
+    #[test]
+    fn state_round_trips_and_is_checked() {
+        let idle = Rng::new().unwrap().save_state();
+        assert_eq!(idle.virtio, VirtioDeviceState::default());
+        let r = Rng::from_state(&postcard_round_trip(&idle)).unwrap();
+        assert!(!r.is_activated());
+
+        let active = RngState {
+            version: RNG_STATE_VERSION,
+            virtio: VirtioDeviceState {
+                activated: true,
+                acked_features: VIRTIO_F_VERSION_1,
+                needs_reset: true,
+            },
+        };
+        let state = postcard_round_trip(&active);
+        assert_eq!(state, active);
+        let r = Rng::from_state(&state).unwrap();
+        assert!(r.needs_reset());
+        assert_eq!(r.restored_state(), Some(active.virtio));
+
+        let bad = |edit: fn(&mut RngState)| {
+            let mut s = active.clone();
+            edit(&mut s);
+            Rng::from_state(&s).err().unwrap()
+        };
+        let e = bad(|s| s.version = 0);
+        assert!(matches!(e, RngError::State(StateError::Version { .. })));
+        bad(|s| s.virtio.acked_features |= 1);
+        bad(|s| s.virtio.activated = false);
+    }
+
+    #[test]
+    fn restored_device_serves_from_where_it_was() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        let rng = Arc::new(Mutex::new(Rng::new().unwrap()));
+        let mut t = MmioTransport::new(mem.clone(), rng.clone());
+        t.drive_to_driver_ok(VIRTIO_F_VERSION_1, &[ring().transport_queue()]);
+        offer(&mem, 0, 16);
+        offer(&mem, 1, 32);
+        assert_eq!(lock(&rng).process_queue().unwrap(), 2);
+        offer(&mem, 2, 48);
+
+        let rng_state = postcard_round_trip(&lock(&rng).save_state());
+        let t_state = postcard_round_trip(&t.save_state());
+        assert_eq!(rng_state.virtio.acked_features, VIRTIO_F_VERSION_1);
+        let mem2 = copy_guest_memory(&mem);
+        let rng2 = Arc::new(Mutex::new(Rng::from_state(&rng_state).unwrap()));
+        let _t2 = MmioTransport::restore(mem2.clone(), rng2.clone(), &t_state).unwrap();
+
+        assert_eq!(lock(&rng2).process_queue().unwrap(), 1);
+        offer(&mem2, 3, 64);
+        assert_eq!(lock(&rng2).process_queue().unwrap(), 1);
+        assert_eq!(used(&mem2), [(0, 16), (1, 32), (2, 48), (3, 64)]);
+        assert_eq!(used(&mem).len(), 2);
+    }
+}
