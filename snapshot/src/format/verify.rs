@@ -1,0 +1,385 @@
+//! [`Snapshot::load`] and [`Snapshot::load_chain`]: every check a snapshot
+//! passes before anything uses it.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use super::digest::scan_file;
+use super::manifest::{self, FileEntry, Manifest, MemoryLayerEntry, MemoryLayerKind};
+use super::{
+    digest_bytes, valid_file_name, Snapshot, SnapshotError, MANIFEST_FILE, MAX_CHAIN_DEPTH,
+    MAX_MANIFEST_BYTES, MAX_MEM_BYTES, MAX_STATE_BYTES, STATE_FILE,
+};
+use crate::layers::PageMap;
+use crate::PAGE_SIZE;
+
+pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = read_bounded(&path, MAX_MANIFEST_BYTES)?;
+    let manifest = manifest::decode(&bytes, &path)?;
+    check_manifest(&manifest, &path)?;
+    let state = read_verified(dir, &manifest.state, MAX_STATE_BYTES)?;
+    for layer in &manifest.memory_layers {
+        verify_memory_layer(dir, layer, manifest.shape.mem_bytes)?;
+    }
+    for entry in manifest.disk_layers.iter().flat_map(|d| &d.files) {
+        verify_file(dir, entry)?;
+    }
+    for entry in &manifest.files {
+        verify_file(dir, entry)?;
+    }
+    Ok(Snapshot {
+        dir: dir.to_path_buf(),
+        manifest,
+        state,
+    })
+}
+
+pub(super) fn load_chain(dir: &Path) -> Result<Vec<Snapshot>, SnapshotError> {
+    let mut chain = vec![load(dir)?];
+    let mut seen = HashSet::from([chain[0].id()]);
+    loop {
+        let child = chain.last().expect("chain is never empty");
+        let Some(parent) = child.manifest.parent.clone() else {
+            break;
+        };
+        if chain.len() >= MAX_CHAIN_DEPTH {
+            return Err(SnapshotError::ChainTooDeep(dir.to_path_buf()));
+        }
+        let pdir = child.dir.join(&parent.path);
+        let mismatch = |reason: String| SnapshotError::ChainMismatch {
+            path: pdir.clone(),
+            reason,
+        };
+        let p = load(&pdir)?;
+        if p.id() != parent.id {
+            return Err(mismatch(format!(
+                "its id is {}, the child expects {}",
+                p.id(),
+                parent.id
+            )));
+        }
+        if !seen.insert(p.id()) {
+            return Err(SnapshotError::ChainLoop {
+                path: pdir.clone(),
+                id: p.id(),
+            });
+        }
+        if p.shape() != child.shape() {
+            return Err(mismatch(format!(
+                "shape {:?} differs from the child's {:?}",
+                p.shape(),
+                child.shape()
+            )));
+        }
+        if !p.kernel().same_kernel(child.kernel()) {
+            return Err(mismatch("it was taken with another kernel".into()));
+        }
+        chain.push(p);
+    }
+    chain.reverse();
+    Ok(chain)
+}
+
+/// Structural checks the checksum cannot give: sane shape, plain and unique
+/// file names.
+fn check_manifest(m: &Manifest, path: &Path) -> Result<(), SnapshotError> {
+    let invalid = |reason: String| SnapshotError::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mem = m.shape.mem_bytes;
+    if mem == 0 || mem & (PAGE_SIZE as u64 - 1) != 0 || mem > MAX_MEM_BYTES {
+        return Err(invalid(format!(
+            "memBytes {mem} is not a page multiple in (0, 1 TiB]"
+        )));
+    }
+    if m.shape.vcpus == 0 {
+        return Err(invalid("vcpus is 0".into()));
+    }
+    let mut names = HashSet::new();
+    let all = std::iter::once(&m.state)
+        .chain(m.memory_layers.iter().flat_map(|l| [&l.data, &l.page_map]))
+        .chain(m.disk_layers.iter().flat_map(|d| &d.files))
+        .chain(&m.files);
+    for e in all {
+        if !valid_file_name(&e.name) {
+            return Err(invalid(format!("bad file name {:?}", e.name)));
+        }
+        if !names.insert(e.name.as_str()) {
+            return Err(invalid(format!("file {:?} is listed twice", e.name)));
+        }
+    }
+    if m.state.name != STATE_FILE {
+        return Err(invalid(format!("state file is {:?}", m.state.name)));
+    }
+    Ok(())
+}
+
+/// Opens a listed file and checks its size against the manifest.
+fn open_sized(dir: &Path, entry: &FileEntry) -> Result<(File, PathBuf), SnapshotError> {
+    let path = dir.join(&entry.name);
+    let file = File::open(&path).map_err(|e| SnapshotError::io("open", &path, e))?;
+    let actual = file
+        .metadata()
+        .map_err(|e| SnapshotError::io("stat", &path, e))?
+        .len();
+    check_size(&path, actual, entry.size)?;
+    Ok((file, path))
+}
+
+fn check_size(path: &Path, actual: u64, expected: u64) -> Result<(), SnapshotError> {
+    let path = path.to_path_buf();
+    if actual < expected {
+        return Err(SnapshotError::Truncated {
+            path,
+            actual,
+            expected,
+        });
+    }
+    if actual > expected {
+        return Err(SnapshotError::TooLong {
+            path,
+            actual,
+            expected,
+        });
+    }
+    Ok(())
+}
+
+fn verify_file(dir: &Path, entry: &FileEntry) -> Result<(), SnapshotError> {
+    let (file, path) = open_sized(dir, entry)?;
+    let scan =
+        scan_file(&file, entry.size, |_| true).map_err(|e| SnapshotError::io("read", &path, e))?;
+    if scan.checksum != entry.checksum {
+        return Err(SnapshotError::ChecksumMismatch { path });
+    }
+    Ok(())
+}
+
+/// Reads a whole listed file (at most `max` bytes) and checks its digest.
+fn read_verified(dir: &Path, entry: &FileEntry, max: u64) -> Result<Vec<u8>, SnapshotError> {
+    let path = dir.join(&entry.name);
+    if entry.size > max {
+        return Err(SnapshotError::Invalid {
+            path,
+            reason: format!("{} bytes is more than the {max} allowed", entry.size),
+        });
+    }
+    let (mut file, path) = open_sized(dir, entry)?;
+    let mut bytes = Vec::with_capacity(entry.size as usize);
+    file.read_to_end(&mut bytes)
+        .map_err(|e| SnapshotError::io("read", &path, e))?;
+    check_size(&path, bytes.len() as u64, entry.size)?;
+    if digest_bytes(&bytes) != entry.checksum {
+        return Err(SnapshotError::ChecksumMismatch { path });
+    }
+    Ok(bytes)
+}
+
+/// Reads and checks a layer's page map (shared with `LayerStack::open`).
+pub(crate) fn read_page_map(
+    dir: &Path,
+    layer: &MemoryLayerEntry,
+    mem_bytes: u64,
+) -> Result<PageMap, SnapshotError> {
+    let pages = mem_bytes / PAGE_SIZE as u64;
+    let path = dir.join(&layer.page_map.name);
+    let invalid = |reason: String| SnapshotError::Invalid {
+        path: path.clone(),
+        reason,
+    };
+    let expected = PageMap::encoded_len(pages);
+    if layer.page_map.size != expected {
+        return Err(invalid(format!(
+            "listed as {} bytes, a page map for {pages} pages is {expected}",
+            layer.page_map.size
+        )));
+    }
+    let bytes = read_verified(dir, &layer.page_map, expected)?;
+    let map = PageMap::decode(&bytes, pages).map_err(|r| invalid(r.into()))?;
+    let present = map.present_count();
+    let data = map.data_count();
+    if layer.kind == MemoryLayerKind::Full && present != pages {
+        return Err(invalid("a full layer's page map lacks pages".into()));
+    }
+    if present != layer.pages_present || data != layer.data_pages {
+        return Err(invalid(format!(
+            "holds {present} present and {data} data pages, the manifest says {} and {}",
+            layer.pages_present, layer.data_pages
+        )));
+    }
+    Ok(map)
+}
+
+fn verify_memory_layer(
+    dir: &Path,
+    layer: &MemoryLayerEntry,
+    mem_bytes: u64,
+) -> Result<(), SnapshotError> {
+    let map = read_page_map(dir, layer, mem_bytes)?;
+    let (file, path) = open_sized(dir, &layer.data)?;
+    if layer.data.size != mem_bytes {
+        return Err(SnapshotError::Invalid {
+            path,
+            reason: format!(
+                "listed as {} bytes, memBytes is {mem_bytes}",
+                layer.data.size
+            ),
+        });
+    }
+    let scan = scan_file(&file, mem_bytes, |pfn| map.has_data(pfn))
+        .map_err(|e| SnapshotError::io("read", &path, e))?;
+    if scan.checksum != layer.data.checksum {
+        return Err(SnapshotError::ChecksumMismatch { path });
+    }
+    if scan.unexpected_chunk.is_some() || scan.data_chunks != layer.data_pages {
+        return Err(SnapshotError::Invalid {
+            path,
+            reason: "its data pages do not match its page map".into(),
+        });
+    }
+    Ok(())
+}
+
+fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, SnapshotError> {
+    let file = File::open(path).map_err(|e| SnapshotError::io("open", path, e))?;
+    let mut bytes = Vec::new();
+    file.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| SnapshotError::io("read", path, e))?;
+    if bytes.len() as u64 > max {
+        return Err(SnapshotError::Invalid {
+            path: path.to_path_buf(),
+            reason: format!("longer than {max} bytes"),
+        });
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::manifest::{encode, ParentRef, SnapshotId};
+    use crate::format::Checksum;
+    use crate::layers::DirtyBitmap;
+    use crate::testutil::{diff, fill, full, kernel, shape};
+    use crate::SnapshotWriter;
+
+    /// Rewrites `dir`'s manifest through `f`, with a valid checksum.
+    fn rewrite(dir: &Path, f: impl FnOnce(&mut Manifest)) {
+        let path = dir.join(MANIFEST_FILE);
+        let mut m = manifest::decode(&std::fs::read(&path).unwrap(), &path).unwrap();
+        f(&mut m);
+        std::fs::write(&path, encode(&m).0).unwrap();
+    }
+
+    fn chain(dir: &Path, n: usize) -> Vec<Snapshot> {
+        let mut ram = vec![0u8; 16 * PAGE_SIZE];
+        fill(&mut ram, 0, 1);
+        let mut out = vec![full(dir, "s0", &ram)];
+        for i in 1..n {
+            let mut dirty = DirtyBitmap::new(16);
+            fill(&mut ram, i as u64 % 16, i as u8);
+            dirty.set(i as u64 % 16);
+            let s = diff(dir, &format!("s{i}"), out.last().unwrap(), &ram, &dirty);
+            out.push(s);
+        }
+        out
+    }
+
+    #[test]
+    fn chain_is_base_first_and_parents_are_relative() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = chain(dir.path(), 3);
+        let loaded = Snapshot::load_chain(c[2].dir()).unwrap();
+        let ids: Vec<_> = loaded.iter().map(|s| s.id()).collect();
+        assert_eq!(ids, c.iter().map(|s| s.id()).collect::<Vec<_>>());
+        let parent = c[2].manifest().parent.as_ref().unwrap();
+        assert_eq!(parent.path, Path::new("../s1"));
+    }
+
+    #[test]
+    fn chain_refuses_loops_mismatches_and_depth() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = chain(dir.path(), 2);
+        let (s0, s1) = (c[0].dir(), c[1].dir());
+        let p1 = c[1].manifest().parent.clone();
+        let s1_id = c[1].id();
+        // s0 -> s1 -> s0: a loop.
+        rewrite(s0, |m| {
+            m.parent = Some(ParentRef {
+                id: s1_id,
+                path: "../s1".into(),
+            })
+        });
+        let e = Snapshot::load_chain(s1).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChainLoop { .. }), "{e}");
+        rewrite(s0, |m| m.parent = None);
+        // The parent is not the snapshot the child recorded.
+        rewrite(s1, |m| m.parent.as_mut().unwrap().id = SnapshotId(5));
+        let e = Snapshot::load_chain(s1).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChainMismatch { .. }), "{e}");
+        rewrite(s1, |m| m.parent = p1.clone());
+        // Another shape or kernel.
+        rewrite(s0, |m| m.shape.vcpus = 2);
+        let e = Snapshot::load_chain(s1).unwrap_err();
+        assert!(e.to_string().contains("shape"), "{e}");
+        rewrite(s0, |m| {
+            m.shape.vcpus = 1;
+            m.kernel.checksum = Checksum(1);
+        });
+        let e = Snapshot::load_chain(s1).unwrap_err();
+        assert!(e.to_string().contains("kernel"), "{e}");
+        // A snapshot that is its own parent.
+        let s0_id = c[0].id();
+        rewrite(s0, |m| {
+            m.kernel = c[1].kernel().clone();
+            m.parent = Some(ParentRef {
+                id: s0_id,
+                path: ".".into(),
+            });
+        });
+        let e = Snapshot::load_chain(s0).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChainLoop { .. }), "{e}");
+    }
+
+    #[test]
+    fn chain_depth_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = chain(dir.path(), MAX_CHAIN_DEPTH);
+        Snapshot::load_chain(c.last().unwrap().dir()).unwrap();
+        let mut ram = vec![0u8; 16 * PAGE_SIZE];
+        fill(&mut ram, 0, 1);
+        let over = diff(
+            dir.path(),
+            "over",
+            c.last().unwrap(),
+            &ram,
+            &DirtyBitmap::new(16),
+        );
+        let e = Snapshot::load_chain(over.dir()).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChainTooDeep(_)), "{e}");
+    }
+
+    #[test]
+    fn manifest_checks_beyond_the_checksum() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w =
+            SnapshotWriter::new(&dir.path().join("s"), shape(PAGE_SIZE), kernel(dir.path()))
+                .unwrap();
+        w.write_state(b"x").unwrap();
+        let s = w.commit().unwrap();
+        rewrite(s.dir(), |m| m.state.name = "../../etc/passwd".into());
+        let e = Snapshot::load(s.dir()).unwrap_err();
+        assert!(e.to_string().contains("bad file name"), "{e}");
+        rewrite(s.dir(), |m| {
+            m.state.name = STATE_FILE.into();
+            m.shape.mem_bytes = 4097;
+        });
+        let e = Snapshot::load(s.dir()).unwrap_err();
+        assert!(e.to_string().contains("memBytes"), "{e}");
+    }
+}
