@@ -1,0 +1,93 @@
+//! `sprout-agent`: the guest agent.
+//!
+//! As PID 1 in a VM it sets the machine up and runs itself as a child listening on
+//! vsock (see `guest_agent::init`). Otherwise it serves on the socket it is given:
+//!
+//! ```text
+//! sprout-agent (--listen-unix PATH | --listen-vsock PORT) [--root DIR]
+//!              [--output-limit BYTES] [--max-execs N] [--allow-identity]
+//! ```
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use guest_agent::files::Resolver;
+use guest_agent::protocol::DEFAULT_OUTPUT_LIMIT;
+use guest_agent::server::{Config, Server};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sprout-agent",
+    about = "Sprout guest agent: exec and files over vsock"
+)]
+struct Args {
+    /// Listen on this Unix socket path (an agent run as a host process, for tests).
+    #[arg(long, value_name = "PATH", conflicts_with = "listen_vsock")]
+    listen_unix: Option<PathBuf>,
+    /// Listen on this AF_VSOCK port (in a VM).
+    #[arg(long, value_name = "PORT")]
+    listen_vsock: Option<u32>,
+    /// Files root: file requests are confined beneath it.
+    #[arg(long, value_name = "DIR", default_value = "/workspace")]
+    root: PathBuf,
+    /// Per-stream output cap of an exec, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_OUTPUT_LIMIT)]
+    output_limit: u64,
+    /// Most execs running at once.
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    max_execs: usize,
+    /// Serve identity refresh (sets the clock, CRNG and hostname of this machine: only
+    /// for the agent PID 1 starts in a VM).
+    #[arg(long)]
+    allow_identity: bool,
+    /// Resolve paths component by component instead of with openat2 (tests the fallback).
+    #[arg(long, hide = true)]
+    no_openat2: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    if std::process::id() == 1 {
+        guest_agent::init::run();
+    }
+    let args = Args::parse();
+    // Absolute request paths are matched against the root: use its real path.
+    let root = std::fs::canonicalize(&args.root).unwrap_or(args.root);
+    let config = Config {
+        root,
+        resolver: if args.no_openat2 {
+            Resolver::Walk
+        } else {
+            Resolver::Openat2
+        },
+        output_limit: args.output_limit,
+        max_execs: args.max_execs,
+        allow_identity: args.allow_identity,
+        ..Config::default()
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    runtime.block_on(async move {
+        let server = Server::new(config);
+        if let Some(path) = args.listen_unix {
+            // A socket left by an earlier run would make bind fail.
+            if std::fs::symlink_metadata(&path)
+                .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+            {
+                std::fs::remove_file(&path).ok();
+            }
+            let listener = tokio::net::UnixListener::bind(&path)
+                .with_context(|| format!("cannot listen on {}", path.display()))?;
+            log::info!("listening on {}", path.display());
+            server.serve_unix(listener).await?;
+        } else if let Some(port) = args.listen_vsock {
+            server.serve_vsock(port).await?;
+        } else {
+            bail!("give --listen-unix PATH or --listen-vsock PORT");
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,211 @@
+//! PID 1 in a VM: mount the basics, set the hostname, bring up `lo`, then run the agent
+//! as a child (restarted if it dies) and reap every orphan.
+//!
+//! The agent proper runs in a child process so that this loop is the only `wait(-1)`
+//! in the guest: tokio reaps the agent's own children, this loop reaps everything
+//! re-parented to PID 1, and neither steals the other's exit statuses.
+//!
+//! Kernel command line options: `sprout.hostname=NAME` (default `sprout`),
+//! `sprout.port=PORT` (vsock port, default 1024), `sprout.workspace=DEVICE` (an ext4
+//! device mounted at `/workspace`; a tmpfs if absent).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use log::{error, info, warn};
+use rustix::mount::{mount, MountFlags};
+use rustix::process::{wait, Pid, WaitOptions};
+
+use crate::protocol::DEFAULT_VSOCK_PORT;
+
+/// Where the files root lives in a VM.
+pub const WORKSPACE: &str = "/workspace";
+const DEFAULT_HOSTNAME: &str = "sprout";
+const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    #[error("Cannot mount {what} on {target}")]
+    Mount {
+        what: String,
+        target: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Options read from the kernel command line.
+#[derive(Debug, PartialEq, Eq)]
+pub struct BootOptions {
+    pub hostname: String,
+    pub port: u32,
+    pub workspace_device: Option<String>,
+}
+
+impl BootOptions {
+    pub fn parse(cmdline: &str) -> BootOptions {
+        let mut o = BootOptions {
+            hostname: DEFAULT_HOSTNAME.into(),
+            port: DEFAULT_VSOCK_PORT,
+            workspace_device: None,
+        };
+        for word in cmdline.split_whitespace() {
+            if let Some(v) = word.strip_prefix("sprout.hostname=") {
+                o.hostname = v.into();
+            } else if let Some(v) = word.strip_prefix("sprout.port=") {
+                o.port = v.parse().unwrap_or(DEFAULT_VSOCK_PORT);
+            } else if let Some(v) = word.strip_prefix("sprout.workspace=") {
+                o.workspace_device = Some(v.into());
+            }
+        }
+        o
+    }
+}
+
+fn mount_one(source: &str, target: &str, fs: &str, flags: MountFlags) -> Result<(), InitError> {
+    let _ = std::fs::create_dir_all(target);
+    match mount(source, target, fs, flags, None) {
+        // Already mounted (e.g. devtmpfs by the kernel): fine.
+        Ok(()) | Err(rustix::io::Errno::BUSY) => Ok(()),
+        Err(e) => Err(InitError::Mount {
+            what: format!("{fs} ({source})"),
+            target: target.into(),
+            source: e.into(),
+        }),
+    }
+}
+
+fn setup(opts_from: impl FnOnce() -> String) -> BootOptions {
+    let nosuid = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+    let basics = [
+        ("proc", "/proc", "proc", nosuid),
+        ("sysfs", "/sys", "sysfs", nosuid),
+        ("devtmpfs", "/dev", "devtmpfs", MountFlags::NOSUID),
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            MountFlags::NOSUID | MountFlags::NOEXEC,
+        ),
+        (
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            MountFlags::NOSUID | MountFlags::NODEV,
+        ),
+    ];
+    for (src, target, fs, flags) in basics {
+        if let Err(e) = mount_one(src, target, fs, flags) {
+            warn!("{e}: {:?}", std::error::Error::source(&e));
+        }
+    }
+    let opts = BootOptions::parse(&opts_from());
+    let ws = match &opts.workspace_device {
+        Some(dev) => mount_one(
+            dev,
+            WORKSPACE,
+            "ext4",
+            MountFlags::NOSUID | MountFlags::NODEV,
+        ),
+        None => mount_one(
+            "tmpfs",
+            WORKSPACE,
+            "tmpfs",
+            MountFlags::NOSUID | MountFlags::NODEV,
+        ),
+    };
+    if let Err(e) = ws {
+        error!("{e}: {:?}", std::error::Error::source(&e));
+    }
+    if let Err(e) = rustix::system::sethostname(opts.hostname.as_bytes()) {
+        warn!("cannot set the hostname: {e}");
+    }
+    if let Err(e) = crate::sys::set_link_up("lo") {
+        warn!("cannot bring up lo: {e}");
+    }
+    opts
+}
+
+/// Runs as PID 1: never returns (PID 1 exiting panics the kernel).
+pub fn run() -> ! {
+    let opts = setup(|| std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
+    let exe = std::env::current_exe().unwrap_or_else(|_| "/sbin/sprout-agent".into());
+    let port = opts.port.to_string();
+    let spawn = || {
+        Command::new(&exe)
+            .args([
+                "--listen-vsock",
+                &port,
+                "--root",
+                WORKSPACE,
+                "--allow-identity",
+            ])
+            .env_clear()
+            .env("PATH", PATH)
+            .env("HOME", "/root")
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .current_dir(if Path::new(WORKSPACE).is_dir() {
+                WORKSPACE
+            } else {
+                "/"
+            })
+            .spawn()
+    };
+    let mut agent: Option<Pid> = None;
+    loop {
+        if agent.is_none() {
+            match spawn() {
+                Ok(child) => {
+                    info!("agent started as pid {}", child.id());
+                    agent = Pid::from_raw(child.id() as i32);
+                }
+                Err(e) => {
+                    error!("cannot start the agent: {e}");
+                    std::thread::sleep(Duration::from_secs(1));
+                    continue;
+                }
+            }
+        }
+        match wait(WaitOptions::empty()) {
+            Ok(Some((pid, status))) if Some(pid) == agent => {
+                error!("agent exited ({status:?}); restarting it");
+                agent = None;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!("wait failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boot_options() {
+        let o = BootOptions::parse(
+            "console=ttyS0 sprout.hostname=box sprout.port=77 sprout.workspace=/dev/vdb",
+        );
+        assert_eq!(
+            o,
+            BootOptions {
+                hostname: "box".into(),
+                port: 77,
+                workspace_device: Some("/dev/vdb".into())
+            }
+        );
+        let d = BootOptions::parse("quiet sprout.port=x");
+        assert_eq!(
+            (d.hostname.as_str(), d.port, d.workspace_device),
+            ("sprout", 1024, None)
+        );
+    }
+}

@@ -1,0 +1,437 @@
+//! Exec: spawn a process in its own process group, stream its output, report its exit.
+//!
+//! Output: each stream is read in chunks of at most [`OUTPUT_CHUNK`] bytes and sent in
+//! the order read. Up to the cap the agent applies backpressure (a host that stops
+//! reading stops the process once the pipe fills); past the cap it keeps reading and
+//! discards, so the process is never blocked by a full pipe and no memory grows. At most
+//! [`FRAME_QUEUE`] frames wait per exec.
+//!
+//! End: when the process exits, the agent reads what is left in the pipes until they
+//! close, giving up [`DRAIN_IDLE`] after the last chunk (or [`DRAIN_MAX`] after the
+//! exit) when a background process keeps them open; then it sends `Exit`.
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use log::debug;
+use rustix::process::{kill_process_group, Pid, Signal};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::{sleep_until, Instant};
+
+use super::{reply_error, Reader, Shared};
+use crate::protocol::{
+    self, Bytes, ErrorCode, ErrorMsg, Exec, ExecStarted, Exit, Message, Output, StdinMode,
+    StreamKind,
+};
+use crate::wire::{write_frame, WireError};
+
+/// Largest output chunk read and sent at once.
+pub const OUTPUT_CHUNK: usize = 64 * 1024;
+/// Output frames queued per exec before the pipe readers wait.
+pub const FRAME_QUEUE: usize = 8;
+/// After the exit, how long to wait for more output before giving up on open pipes.
+pub const DRAIN_IDLE: Duration = Duration::from_millis(100);
+/// After the exit, the longest wait for the pipes to close.
+pub const DRAIN_MAX: Duration = Duration::from_secs(2);
+
+/// Running execs by id, for `Kill`.
+#[derive(Default)]
+pub struct ExecTable {
+    next: AtomicU64,
+    running: std::sync::Mutex<HashMap<u64, Pid>>,
+}
+
+impl ExecTable {
+    fn register(&self, pgid: Pid) -> u64 {
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        self.lock().insert(id, pgid);
+        id
+    }
+
+    fn unregister(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Pid>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends `signal` to the process group of exec `id`.
+    pub fn kill(&self, id: u64, signal: i32) -> Result<(), ErrorMsg> {
+        let sig = Signal::from_named_raw(signal).ok_or_else(|| {
+            ErrorMsg::new(
+                ErrorCode::InvalidSignal,
+                format!("Signal {signal} is not valid"),
+            )
+        })?;
+        let running = self.lock();
+        let pgid = running.get(&id).ok_or_else(|| {
+            ErrorMsg::new(
+                ErrorCode::NoSuchExec,
+                format!("No running exec has id {id}"),
+            )
+        })?;
+        kill_process_group(*pgid, sig)
+            .map_err(|e| ErrorMsg::new(ErrorCode::NoSuchExec, format!("Exec {id} is gone: {e}")))
+    }
+}
+
+/// Removes the exec from the table however `run` ends.
+struct Registered<'a>(&'a ExecTable, u64);
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.0.unregister(self.1);
+    }
+}
+
+/// Counts of one output stream, shared with its reader task.
+#[derive(Default)]
+struct StreamStats {
+    total: AtomicU64,
+    truncated: AtomicBool,
+}
+
+fn bad(why: impl Into<String>) -> ErrorMsg {
+    ErrorMsg::new(ErrorCode::BadRequest, why)
+}
+
+fn check_text(what: &str, s: &str) -> Result<(), ErrorMsg> {
+    if s.contains('\0') {
+        return Err(bad(format!("{what} contains a NUL byte")));
+    }
+    Ok(())
+}
+
+/// Builds the command for `req`, or says why it is malformed.
+fn command(root: &Path, req: &Exec) -> Result<Command, ErrorMsg> {
+    if req.command.is_empty() {
+        return Err(bad("The command is empty"));
+    }
+    check_text("The command", &req.command)?;
+    for a in &req.argv {
+        check_text("An argument", a)?;
+    }
+    for (k, v) in &req.env {
+        if k.is_empty() || k.contains('=') {
+            return Err(bad(format!("Environment variable name {k:?} is invalid")));
+        }
+        check_text("An environment variable", k)?;
+        check_text("An environment value", v)?;
+    }
+    let mut cmd = if req.shell {
+        let mut c = Command::new("/bin/sh");
+        c.arg("-c").arg(&req.command);
+        c
+    } else {
+        Command::new(&req.command)
+    };
+    cmd.args(&req.argv);
+    if req.clear_env {
+        cmd.env_clear();
+    }
+    cmd.envs(req.env.iter().map(|(k, v)| (k, v)));
+    let cwd = match &req.cwd {
+        Some(c) => {
+            check_text("The working directory", c)?;
+            root.join(c)
+        }
+        None if root.is_dir() => root.to_path_buf(),
+        None => PathBuf::from("/"),
+    };
+    cmd.current_dir(cwd);
+    if let Some(u) = req.user {
+        cmd.uid(u.uid).gid(u.gid);
+    }
+    cmd.process_group(0)
+        .stdin(match req.stdin {
+            StdinMode::Null => Stdio::null(),
+            _ => Stdio::piped(),
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(false);
+    Ok(cmd)
+}
+
+/// Runs one exec on this connection: `ExecStarted`, output, `Exit`. Returns an error
+/// when the connection is no longer usable.
+pub(super) async fn run<S>(
+    sh: &Arc<Shared>,
+    reader: &Reader<S>,
+    w: &mut WriteHalf<S>,
+    id: u64,
+    req: Exec,
+) -> Result<(), WireError>
+where
+    S: tokio::io::AsyncRead + AsyncWrite + Send + 'static,
+{
+    let Ok(_slot) = sh.exec_slots.clone().try_acquire_owned() else {
+        let why = format!("Too many execs running (at most {})", sh.config.max_execs);
+        return reply_error(w, id, ErrorCode::Busy, why).await;
+    };
+    let limit = req
+        .output_limit
+        .map_or(sh.config.output_limit, |l| l.min(sh.config.output_limit));
+    let mut cmd = match command(&sh.config.root, &req) {
+        Ok(c) => c,
+        Err(e) => return write_frame(w, id, &e.into()).await,
+    };
+    let start = Instant::now();
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let why = format!("Cannot start {:?}: {e}", req.command);
+            return reply_error(w, id, ErrorCode::SpawnFailed, why).await;
+        }
+    };
+    let pid = child.id().unwrap_or(0);
+    // process_group(0): the child leads a group whose id is its pid.
+    let pgid = Pid::from_raw(pid as i32)
+        .ok_or_else(|| WireError::Io(std::io::Error::other("child has no pid")))?;
+    let exec_id = sh.execs.register(pgid);
+    let _registered = Registered(&sh.execs, exec_id);
+    debug!("exec {exec_id}: pid {pid} {:?}", req.command);
+
+    let stdin = child.stdin.take();
+    let (stdin_bytes, stdin_stream) = match req.stdin {
+        StdinMode::Bytes(b) => (stdin.map(|s| (s, b)), None),
+        StdinMode::Stream => (None, stdin),
+        StdinMode::Null => (None, None),
+    };
+    let feeder = stdin_bytes.map(|(mut s, bytes)| {
+        tokio::spawn(async move {
+            let _ = s.write_all(&bytes).await;
+        })
+    });
+
+    if let Err(e) = write_frame(w, id, &ExecStarted { exec_id, pid }.into()).await {
+        let _ = kill_process_group(pgid, Signal::KILL);
+        let _ = child.wait().await;
+        return Err(e);
+    }
+
+    let (tx, rx) = mpsc::channel(FRAME_QUEUE);
+    let out_stats = Arc::new(StreamStats::default());
+    let err_stats = Arc::new(StreamStats::default());
+    let pumps = [
+        child.stdout.take().map(|p| {
+            tokio::spawn(pump(
+                p,
+                StreamKind::Stdout,
+                limit,
+                tx.clone(),
+                id,
+                out_stats.clone(),
+            ))
+        }),
+        child.stderr.take().map(|p| {
+            tokio::spawn(pump(
+                p,
+                StreamKind::Stderr,
+                limit,
+                tx.clone(),
+                id,
+                err_stats.clone(),
+            ))
+        }),
+    ];
+    drop(tx);
+    let watcher = tokio::spawn(watch(reader.clone(), stdin_stream, id));
+
+    let deadline = req.timeout_ms.map(|ms| start + Duration::from_millis(ms));
+    let run = supervise(child, pgid, deadline, rx, watcher, w).await;
+
+    for task in pumps.into_iter().flatten().chain(feeder) {
+        task.abort();
+        let _ = task.await;
+    }
+    let exit = Exit {
+        code: run.status.code(),
+        signal: run.status.signal(),
+        duration_us: run
+            .exited_after
+            .saturating_duration_since(start)
+            .as_micros() as u64,
+        timed_out: run.timed_out,
+        stdout_truncated: out_stats.truncated.load(Ordering::Relaxed),
+        stderr_truncated: err_stats.truncated.load(Ordering::Relaxed),
+        stdout_bytes: out_stats.total.load(Ordering::Relaxed),
+        stderr_bytes: err_stats.total.load(Ordering::Relaxed),
+    };
+    debug!("exec {exec_id}: {exit:?}");
+    if !run.client_ok {
+        return Err(WireError::Io(std::io::ErrorKind::ConnectionAborted.into()));
+    }
+    write_frame(w, id, &exit.into()).await
+}
+
+struct RunEnd {
+    status: ExitStatus,
+    exited_after: Instant,
+    timed_out: bool,
+    client_ok: bool,
+}
+
+/// Forwards output frames, enforces the timeout, and watches the connection until the
+/// process has exited and its output is drained.
+async fn supervise<W: AsyncWrite + Unpin>(
+    mut child: Child,
+    pgid: Pid,
+    deadline: Option<Instant>,
+    mut rx: mpsc::Receiver<Vec<u8>>,
+    mut watcher: JoinHandle<()>,
+    w: &mut W,
+) -> RunEnd {
+    let far = Instant::now() + Duration::from_secs(86400 * 365);
+    // The timer is a task of its own so that it fires even while a slow host holds up
+    // an output write.
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let timer = deadline.map(|at| {
+        let flag = timed_out.clone();
+        tokio::spawn(async move {
+            sleep_until(at).await;
+            debug!("exec group {pgid:?} timed out");
+            flag.store(true, Ordering::SeqCst);
+            let _ = kill_process_group(pgid, Signal::KILL);
+        })
+    });
+    let mut client_ok = true;
+    let mut watching = true;
+    let mut pumps_done = false;
+    let mut exited: Option<(ExitStatus, Instant)> = None;
+    let mut drain_until = far;
+    let mut drain_max = far;
+    loop {
+        if exited.is_some() && pumps_done {
+            break;
+        }
+        tokio::select! {
+            biased;
+            frame = rx.recv(), if !pumps_done => match frame {
+                Some(bytes) => {
+                    if exited.is_some() {
+                        drain_until = (Instant::now() + DRAIN_IDLE).min(drain_max);
+                    }
+                    if client_ok && w.write_all(&bytes).await.is_err() {
+                        client_ok = false;
+                        let _ = kill_process_group(pgid, Signal::KILL);
+                    }
+                }
+                None => pumps_done = true,
+            },
+            status = child.wait(), if exited.is_none() => {
+                let now = Instant::now();
+                if let Some(t) = &timer {
+                    t.abort();
+                }
+                // A wait error leaves nothing to wait for; report it as a kill.
+                let status = status.unwrap_or_else(|_| ExitStatus::from_raw(libc::SIGKILL));
+                exited = Some((status, now));
+                drain_max = now + DRAIN_MAX;
+                drain_until = now + DRAIN_IDLE;
+            },
+            // The watcher only ends when the host is gone (or broke the protocol).
+            _ = &mut watcher, if watching => {
+                watching = false;
+                client_ok = false;
+                let _ = kill_process_group(pgid, Signal::KILL);
+            },
+            _ = sleep_until(drain_until), if exited.is_some() => break,
+        }
+    }
+    if watching {
+        watcher.abort();
+        let _ = watcher.await;
+    }
+    if let Some(t) = timer {
+        t.abort();
+        let _ = t.await;
+    }
+    let (status, exited_after) =
+        exited.unwrap_or_else(|| (ExitStatus::from_raw(libc::SIGKILL), Instant::now()));
+    RunEnd {
+        status,
+        exited_after,
+        timed_out: timed_out.load(Ordering::SeqCst),
+        client_ok,
+    }
+}
+
+/// Reads one output stream, sending chunks up to `limit` bytes and discarding the rest.
+async fn pump(
+    mut pipe: impl AsyncRead + Unpin,
+    stream: StreamKind,
+    limit: u64,
+    tx: mpsc::Sender<Vec<u8>>,
+    id: u64,
+    stats: Arc<StreamStats>,
+) {
+    let mut buf = vec![0u8; OUTPUT_CHUNK];
+    let mut sent = 0u64;
+    loop {
+        let n = match pipe.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        stats.total.fetch_add(n as u64, Ordering::Relaxed);
+        let keep = (limit - sent).min(n as u64) as usize;
+        if keep < n {
+            stats.truncated.store(true, Ordering::Relaxed);
+        }
+        if keep == 0 {
+            continue;
+        }
+        sent += keep as u64;
+        let msg: Message = Output {
+            stream,
+            data: Bytes::from(buf[..keep].to_vec()),
+        }
+        .into();
+        match protocol::encode(id, &msg) {
+            // A closed receiver means the exec is over: keep draining regardless.
+            Ok(frame) => {
+                let _ = tx.send(frame).await;
+            }
+            Err(e) => debug!("cannot encode output: {e}"),
+        }
+    }
+}
+
+/// Reads the connection while the exec runs: stdin frames go to the process; the end of
+/// the connection, or any other frame, ends the watch (the host is gone).
+async fn watch<S>(reader: Reader<S>, mut stdin: Option<ChildStdin>, id: u64)
+where
+    S: tokio::io::AsyncRead + Send + 'static,
+{
+    let mut reader = reader.lock().await;
+    loop {
+        let frame = match reader.next().await {
+            Ok(Some(f)) => f,
+            Ok(None) | Err(_) => return,
+        };
+        match frame.msg {
+            Message::StdinData(d) if frame.request_id == id => {
+                if let Some(s) = stdin.as_mut() {
+                    // The process closed its stdin: drop the rest, as a pipe would.
+                    if s.write_all(&d.data).await.is_err() {
+                        stdin = None;
+                    }
+                }
+            }
+            Message::StdinClose(_) if frame.request_id == id => stdin = None,
+            other => {
+                debug!("exec connection sent {} while an exec runs", other.name());
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! The agent: accepts connections (vsock in a VM, a Unix socket as a host process) and
+//! serves one request at a time on each.
+//!
+//! A connection carries a sequence of requests; each runs to its final answer before the
+//! next is read. Concurrency comes from connections: the host opens one per exec and
+//! keeps a pool for the rest. While an exec runs, its connection carries only its stdin
+//! (`StdinData`, `StdinClose`); if the connection closes (or carries anything else) the
+//! agent kills the exec's process group.
+
+mod exec;
+mod files;
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use log::{debug, info, warn};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+use tokio::net::UnixListener;
+use tokio::sync::{Mutex, Semaphore};
+
+use crate::files::Resolver;
+use crate::identity;
+use crate::protocol::{
+    self, ErrorCode, ErrorMsg, Message, Pong, ProtocolError, DEFAULT_OUTPUT_LIMIT, MAX_PAYLOAD,
+    VERSION,
+};
+use crate::wire::{write_frame, FrameReader, WireError};
+
+pub use exec::ExecTable;
+
+/// How the agent runs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Files root: file requests are confined beneath it; the default exec cwd.
+    pub root: PathBuf,
+    pub resolver: Resolver,
+    /// Per-stream output cap of an exec (requests may only lower it).
+    pub output_limit: u64,
+    /// Most execs running at once; more are refused with `Busy`.
+    pub max_execs: usize,
+    /// Most connections served at once; more are closed on accept.
+    pub max_connections: usize,
+    /// Accept identity refresh (only the agent started by PID 1 in a VM sets this).
+    pub allow_identity: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/workspace"),
+            resolver: Resolver::Openat2,
+            output_limit: DEFAULT_OUTPUT_LIMIT,
+            max_execs: 256,
+            max_connections: 1024,
+            allow_identity: false,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("Cannot listen on vsock port {port}")]
+    Vsock {
+        port: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot accept a connection")]
+    Accept(#[source] io::Error),
+}
+
+struct Shared {
+    config: Config,
+    execs: ExecTable,
+    exec_slots: Arc<Semaphore>,
+    conn_slots: Arc<Semaphore>,
+}
+
+type Reader<S> = Arc<Mutex<FrameReader<ReadHalf<S>>>>;
+
+/// The agent's request server.
+#[derive(Clone)]
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    pub fn new(config: Config) -> Self {
+        let shared = Shared {
+            execs: ExecTable::default(),
+            exec_slots: Arc::new(Semaphore::new(config.max_execs)),
+            conn_slots: Arc::new(Semaphore::new(config.max_connections)),
+            config,
+        };
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    /// Serves connections from `listener` until accepting fails.
+    pub async fn serve_unix(&self, listener: UnixListener) -> Result<(), ServerError> {
+        loop {
+            let (stream, _) = listener.accept().await.map_err(ServerError::Accept)?;
+            self.spawn_connection(stream);
+        }
+    }
+
+    /// Listens on AF_VSOCK `port` (any CID) and serves connections from it.
+    pub async fn serve_vsock(&self, port: u32) -> Result<(), ServerError> {
+        use socket2::{Domain, SockAddr, Socket, Type};
+        let err = |source| ServerError::Vsock { port, source };
+        let socket = Socket::new(Domain::VSOCK, Type::STREAM.cloexec(), None).map_err(err)?;
+        socket
+            .bind(&SockAddr::vsock(libc::VMADDR_CID_ANY, port))
+            .map_err(err)?;
+        socket.listen(128).map_err(err)?;
+        info!("listening on vsock port {port}");
+        // A blocking accept on a thread of its own hands connections to the runtime
+        // (tokio has no vsock listener, and registering a raw descriptor is unsafe).
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<socket2::Socket>(16);
+        std::thread::Builder::new()
+            .name("vsock-accept".into())
+            .spawn(move || loop {
+                match socket.accept() {
+                    Ok((conn, _)) => {
+                        if tx.blocking_send(conn).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => {
+                        warn!("vsock accept failed: {e}");
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                }
+            })
+            .map_err(err)?;
+        while let Some(conn) = rx.recv().await {
+            // A connected stream socket: read, write and shutdown are all the Unix stream
+            // type does with its descriptor, and they are the same calls for AF_VSOCK.
+            if let Err(e) = conn.set_nonblocking(true) {
+                warn!("cannot set up a vsock connection: {e}");
+                continue;
+            }
+            let std = std::os::unix::net::UnixStream::from(OwnedFd::from(conn));
+            match tokio::net::UnixStream::from_std(std) {
+                Ok(s) => self.spawn_connection(s),
+                Err(e) => warn!("cannot register a vsock connection: {e}"),
+            }
+        }
+        Err(ServerError::Accept(io::ErrorKind::BrokenPipe.into()))
+    }
+
+    fn spawn_connection<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let Ok(permit) = self.shared.conn_slots.clone().try_acquire_owned() else {
+            warn!("too many connections: closing a new one");
+            return;
+        };
+        let server = self.clone();
+        tokio::spawn(async move {
+            server.serve_connection(stream).await;
+            drop(permit);
+        });
+    }
+
+    /// Serves requests from one connection until it closes or breaks the protocol.
+    pub async fn serve_connection<S>(&self, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (r, mut w) = tokio::io::split(stream);
+        let reader: Reader<S> = Arc::new(Mutex::new(FrameReader::new(r)));
+        loop {
+            let next = reader.lock().await.next_or_eof().await;
+            let result = match next {
+                Ok(None) => return,
+                Ok(Some(frame)) => self.dispatch(&reader, &mut w, frame).await,
+                Err(WireError::BadFrame { request_id, source }) => {
+                    let code = match source {
+                        ProtocolError::UnknownKind(_) => ErrorCode::UnknownKind,
+                        _ => ErrorCode::BadRequest,
+                    };
+                    reply_error(&mut w, request_id, code, source.to_string()).await
+                }
+                Err(WireError::Protocol(e @ ProtocolError::UnsupportedVersion { .. })) => {
+                    // Say why once (in our version), then close.
+                    let _ =
+                        reply_error(&mut w, 0, ErrorCode::UnsupportedVersion, e.to_string()).await;
+                    return;
+                }
+                Err(e) => {
+                    debug!("connection closed: {e}");
+                    return;
+                }
+            };
+            if let Err(e) = result {
+                debug!("connection closed: {e}");
+                return;
+            }
+        }
+    }
+
+    async fn dispatch<S>(
+        &self,
+        reader: &Reader<S>,
+        w: &mut WriteHalf<S>,
+        frame: protocol::Frame,
+    ) -> Result<(), WireError>
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let sh = &self.shared;
+        let id = frame.request_id;
+        match frame.msg {
+            Message::Ping(_) => {
+                let pong = Pong {
+                    agent_version: env!("CARGO_PKG_VERSION").into(),
+                    protocol: VERSION,
+                    max_payload: MAX_PAYLOAD,
+                    identity_allowed: sh.config.allow_identity,
+                };
+                write_frame(w, id, &pong.into()).await
+            }
+            Message::Exec(req) => exec::run(sh, reader, w, id, req).await,
+            Message::Kill(k) => {
+                let answer = match sh.execs.kill(k.exec_id, k.signal) {
+                    Ok(()) => protocol::Done {}.into(),
+                    Err(e) => e.into(),
+                };
+                write_frame(w, id, &answer).await
+            }
+            Message::List(req) => files::list(&sh.config, w, id, req).await,
+            Message::Stat(req) => files::stat(&sh.config, w, id, req).await,
+            Message::Read(req) => files::read(&sh.config, w, id, req).await,
+            Message::Write(req) => files::write(&sh.config, reader, w, id, req).await,
+            Message::Mkdir(req) => files::mkdir(&sh.config, w, id, req).await,
+            Message::Remove(req) => files::remove(&sh.config, w, id, req).await,
+            Message::Rename(req) => files::rename(&sh.config, w, id, req).await,
+            Message::Identity(req) => {
+                if !sh.config.allow_identity {
+                    let why =
+                        "Identity refresh is disabled: the agent runs without --allow-identity";
+                    return reply_error(w, id, ErrorCode::Forbidden, why).await;
+                }
+                let answer =
+                    match tokio::task::spawn_blocking(move || identity::refresh(&req)).await {
+                        Ok(Ok(done)) => done.into(),
+                        Ok(Err(e)) => ErrorMsg::new(ErrorCode::BadRequest, e.to_string()).into(),
+                        Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
+                    };
+                write_frame(w, id, &answer).await
+            }
+            // Stdin for an exec that already ended: dropped.
+            Message::StdinData(_) | Message::StdinClose(_) => Ok(()),
+            other => {
+                let why = format!("{} is not a request the agent serves here", other.name());
+                reply_error(w, id, ErrorCode::BadRequest, why).await
+            }
+        }
+    }
+}
+
+async fn reply_error<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    id: u64,
+    code: ErrorCode,
+    message: impl Into<String>,
+) -> Result<(), WireError> {
+    write_frame(w, id, &ErrorMsg::new(code, message).into()).await
+}
