@@ -5,6 +5,7 @@
 //! status                     -> ok running | ok paused | ok exited <reason>
 //! pause | resume             -> ok
 //! stop                       -> ok          (the VM ends; `sprout` exits 0)
+//! snapshot DIR [full|diff]   -> ok DIR      (DIR must not exist; default full)
 //! mailbox CPU CMD A0 A1 A2 A3 -> ok STATUS R0 R1 R2 R3   (test guest only)
 //! ```
 //!
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use vmm::vcpu::ExitSignal;
-use vmm::{ExitReason, Vm};
+use vmm::{ExitReason, SnapshotKind, Vm};
 
 pub const MAX_LINE: usize = 256;
 const MAILBOX_TIMEOUT: Duration = Duration::from_secs(30);
@@ -188,7 +189,19 @@ fn run_command(line: &str, vm: &Mutex<Vm>) -> Result<String> {
                 r.status, r.rets[0], r.rets[1], r.rets[2], r.rets[3]
             ))
         }
+        "snapshot" => {
+            let (dir, kind) = match args.as_slice() {
+                [dir] => (dir, SnapshotKind::Full),
+                [dir, "full"] => (dir, SnapshotKind::Full),
+                [dir, "diff"] => (dir, SnapshotKind::Diff),
+                _ => bail!("usage: snapshot DIR [full|diff]"),
+            };
+            lock(vm).snapshot(Path::new(dir), kind)?;
+            Ok((*dir).to_string())
+        }
         "" => bail!("empty command"),
-        other => bail!("unknown command {other:?} (status, pause, resume, stop, mailbox)"),
+        other => {
+            bail!("unknown command {other:?} (status, pause, resume, stop, snapshot, mailbox)")
+        }
     }
 }

@@ -115,12 +115,14 @@ fn ctl(sock: &std::path::Path, words: &[&str]) -> (bool, String, String) {
 #[test]
 fn control_socket_drives_a_running_vm() {
     let sock = std::env::temp_dir().join(format!("sprout-cli-{}-api.sock", std::process::id()));
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sprout"))
-        .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
-        .arg(&sock)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_sprout"))
+            .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
+            .arg(&sock)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !sock.exists() {
         assert!(std::time::Instant::now() < deadline, "no API socket");
@@ -140,7 +142,116 @@ fn control_socket_drives_a_running_vm() {
     let (ok, _, err) = ctl(&sock, &["mailbox", "7", "1", "0", "0", "0", "0"]);
     assert!(!ok && err.contains("No vCPU 7"), "{err}");
     assert!(ctl(&sock, &["stop"]).0);
-    let status = child.wait().unwrap();
+    let status = child.0.wait().unwrap();
     assert!(status.success(), "sprout exit {status:?}");
     assert!(!sock.exists(), "socket file left behind");
+}
+
+#[test]
+fn snapshot_and_restore_through_the_cli() {
+    let tmp = std::env::temp_dir().join(format!("sprout-cli-{}-snap", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let sock = tmp.join("api.sock");
+    let spawn = |args: &[&str]| {
+        Reaped(
+            Command::new(env!("CARGO_BIN_EXE_sprout"))
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let wait_sock = |p: &std::path::Path| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !p.exists() {
+            assert!(std::time::Instant::now() < deadline, "no API socket");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    };
+    let mut child = spawn(&[
+        "vm",
+        "run",
+        "--kernel",
+        "testguest",
+        "--api-sock",
+        sock.to_str().unwrap(),
+    ]);
+    wait_sock(&sock);
+    // CMD_COUNT (4) by 41 on vCPU 0.
+    assert!(ctl(&sock, &["mailbox", "0", "4", "41", "0", "0", "0"]).0);
+    let out = tmp.join("snap");
+    let snap = |extra: &[&str]| {
+        let mut args = vec!["vm", "snapshot", "--api-sock", sock.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        sprout(&args)
+    };
+    let o = snap(&["--out", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // A second snapshot into the same directory is refused, the VM runs on.
+    let o = snap(&["--out", out.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("exists"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        sprout(&["vm", "pause", "--api-sock", sock.to_str().unwrap()])
+            .status
+            .success()
+    );
+    assert!(
+        sprout(&["vm", "resume", "--api-sock", sock.to_str().unwrap()])
+            .status
+            .success()
+    );
+    assert!(ctl(&sock, &["mailbox", "0", "4", "1", "0", "0", "0"])
+        .1
+        .starts_with("0 0x2a "));
+    // A diff on top, after the counter moved to 42.
+    let diff = tmp.join("diff");
+    let o = snap(&["--diff", "--out", diff.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(ctl(&sock, &["stop"]).0);
+    assert!(child.0.wait().unwrap().success());
+
+    for (snapdir, count, backend) in [
+        (&out, "0x2a", "mmap"),
+        (&out, "0x2a", "uffd"),
+        (&diff, "0x2b", "uffd"),
+    ] {
+        let sock2 = tmp.join(format!("{backend}-{count}.sock"));
+        let mut r = spawn(&[
+            "vm",
+            "restore",
+            snapdir.to_str().unwrap(),
+            "--memory-backend",
+            backend,
+            "--api-sock",
+            sock2.to_str().unwrap(),
+        ]);
+        wait_sock(&sock2);
+        let (ok, line, err) = ctl(&sock2, &["mailbox", "0", "4", "1", "0", "0", "0"]);
+        assert!(ok, "{backend}: {err}");
+        assert!(
+            line.starts_with(&format!("0 {count} ")),
+            "{backend}: counter continues: {line}"
+        );
+        assert!(ctl(&sock2, &["stop"]).0);
+        assert!(r.0.wait().unwrap().success());
+    }
+    let bad = sprout(&["vm", "restore", tmp.join("nope").to_str().unwrap()]);
+    assert!(!bad.status.success());
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// A child process that is killed if the test fails before waiting for it.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -3,11 +3,12 @@
 use std::path::PathBuf;
 
 use devices::legacy::SerialOutput;
+use serde::{Deserialize, Serialize};
 
 use crate::layout;
 
 /// A virtio-blk disk.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct DiskConfig {
     pub path: PathBuf,
     pub read_only: bool,
@@ -16,7 +17,7 @@ pub struct DiskConfig {
 }
 
 /// The virtio-vsock device and the Unix socket its host side listens on.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VsockConfig {
     pub guest_cid: u64,
     pub uds_path: PathBuf,
@@ -36,7 +37,46 @@ pub struct VmConfig {
     pub serial: SerialOutput,
 }
 
+/// The part of a [`VmConfig`] that describes the machine (not where its
+/// console goes): what a snapshot records.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VmSpec {
+    pub kernel: PathBuf,
+    pub cmdline: String,
+    pub vcpus: u8,
+    pub mem_mib: u64,
+    pub disks: Vec<DiskConfig>,
+    pub vsock: Option<VsockConfig>,
+    pub rng: bool,
+}
+
 impl VmConfig {
+    pub fn spec(&self) -> VmSpec {
+        VmSpec {
+            kernel: self.kernel.clone(),
+            cmdline: self.cmdline.clone(),
+            vcpus: self.vcpus,
+            mem_mib: self.mem_mib,
+            disks: self.disks.clone(),
+            vsock: self.vsock.clone(),
+            rng: self.rng,
+        }
+    }
+
+    /// A config for `spec` with its console going to `serial`.
+    pub fn from_spec(spec: VmSpec, serial: SerialOutput) -> Self {
+        Self {
+            kernel: spec.kernel,
+            cmdline: spec.cmdline,
+            vcpus: spec.vcpus,
+            mem_mib: spec.mem_mib,
+            disks: spec.disks,
+            vsock: spec.vsock,
+            rng: spec.rng,
+            serial,
+        }
+    }
+
     /// One vCPU, 256 MiB, no devices but the serial console (to stdout).
     pub fn new(kernel: impl Into<PathBuf>) -> Self {
         Self {

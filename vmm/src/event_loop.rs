@@ -3,8 +3,10 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::epoll::EventSet;
@@ -51,10 +53,41 @@ impl MutEventSubscriber for ResetWatcher {
     }
 }
 
+/// Parks the event-loop thread inside its own dispatch until released, so no
+/// device runs while the VM's state is captured.
+struct Parker {
+    evt: EventFd,
+    release: Receiver<()>,
+    parked: Sender<()>,
+}
+
+impl MutEventSubscriber for Parker {
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.evt.read();
+        if self.parked.send(()).is_ok() {
+            // Blocks this thread (and so every device) until `resume`.
+            let _ = self.release.recv();
+        }
+    }
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(&self.evt, EventSet::IN)) {
+            log::error!("event loop: cannot watch the park event: {e:?}");
+        }
+    }
+}
+
 pub struct EventLoop {
     stop_evt: EventFd,
+    park_evt: EventFd,
+    release: Sender<()>,
+    parked_ack: Receiver<()>,
+    parked: bool,
     thread: Option<JoinHandle<()>>,
 }
+
+#[derive(Debug, thiserror::Error)]
+#[error("The device event loop did not park within {0:?}")]
+pub struct ParkTimeout(Duration);
 
 impl EventLoop {
     /// Runs `em` on a new thread until [`EventLoop::stop`].
@@ -64,6 +97,14 @@ impl EventLoop {
         em.add_subscriber(Arc::new(Mutex::new(Stopper {
             evt: stop_evt.try_clone()?,
             stop: stop.clone(),
+        })));
+        let park_evt = EventFd::new(EFD_NONBLOCK)?;
+        let (release, release_rx) = mpsc::channel();
+        let (parked_tx, parked_ack) = mpsc::channel();
+        em.add_subscriber(Arc::new(Mutex::new(Parker {
+            evt: park_evt.try_clone()?,
+            release: release_rx,
+            parked: parked_tx,
         })));
         let thread = std::thread::Builder::new()
             .name("sprout-events".into())
@@ -77,11 +118,38 @@ impl EventLoop {
             })?;
         Ok(Self {
             stop_evt,
+            park_evt,
+            release,
+            parked_ack,
+            parked: false,
             thread: Some(thread),
         })
     }
 
+    /// Returns once the event-loop thread is parked: no device event runs
+    /// until [`EventLoop::resume`].
+    pub fn pause(&mut self) -> Result<(), ParkTimeout> {
+        if self.parked || self.thread.is_none() {
+            return Ok(());
+        }
+        let t = Duration::from_secs(5);
+        let _ = self.park_evt.write(1);
+        self.parked_ack
+            .recv_timeout(t)
+            .map_err(|_| ParkTimeout(t))?;
+        self.parked = true;
+        Ok(())
+    }
+
+    pub fn resume(&mut self) {
+        if self.parked {
+            let _ = self.release.send(());
+            self.parked = false;
+        }
+    }
+
     pub fn stop(&mut self) {
+        self.resume();
         if let Some(t) = self.thread.take() {
             let _ = self.stop_evt.write(1);
             let _ = t.join();

@@ -8,10 +8,11 @@
 
 pub mod arch;
 pub mod config;
-mod event_loop;
+pub mod event_loop;
 pub mod kvm;
 pub mod mailbox;
 pub mod memory;
+mod persist;
 pub mod vcpu;
 pub mod vm;
 mod vm_devices;
@@ -21,4 +22,5 @@ pub use guest_abi::layout;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
+pub use persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
 pub use vm::{ExitReason, Vm, VmError};

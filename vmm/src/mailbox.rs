@@ -246,6 +246,26 @@ impl Mailbox {
         Ok(Reply { status, rets })
     }
 
+    /// vCPUs that reported ready, as a bit mask.
+    pub fn ready_mask(&self) -> u8 {
+        lock(&self.shared.bells).ready
+    }
+
+    /// After a restore: take the sequence numbers from the slots in guest RAM
+    /// (so the next command is new to the guest) and the ready mask the
+    /// snapshot recorded (the restored guest is already serving).
+    pub fn resync(&self, ready: u8) -> Result<(), MailboxError> {
+        for (cpu, slot) in self.slots.iter().enumerate() {
+            let seq: u32 = self
+                .mem
+                .read_obj(GuestAddress(Self::slot(cpu as u8) + abi::OFF_SEQ))
+                .map_err(MailboxError::Memory)?;
+            *lock(slot) = seq;
+        }
+        self.shared.ring(|b| b.ready = ready);
+        Ok(())
+    }
+
     /// The counter `CMD_COUNT` advances on vCPU `cpu`, read from guest RAM.
     pub fn counter(&self, cpu: u8) -> Result<u64, MailboxError> {
         self.mem

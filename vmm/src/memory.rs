@@ -7,7 +7,12 @@ use std::ffi::CStr;
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
-use vm_memory::{FileOffset, GuestAddress};
+use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::VmFd;
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
+};
 
 use crate::layout;
 
@@ -19,13 +24,36 @@ pub enum MemoryError {
     Truncate(u64, #[source] std::io::Error),
     #[error("Cannot map guest memory")]
     Map(#[source] vm_memory::mmap::FromRangesError),
+    #[error("Cannot describe restored guest memory")]
+    Raw(#[source] vm_memory::mmap::MmapRegionError),
+    #[error("Fresh guest memory is not a restore backend")]
+    NotRestored,
+    #[error("Restored guest memory region overflows the guest address space")]
+    Region,
+    #[error("Cannot assemble restored guest memory")]
+    Regions(#[source] vm_memory::GuestRegionCollectionError),
+    #[error("KVM refused to register guest memory")]
+    Register(#[source] kvm_ioctls::Error),
+    #[error("KVM refused to report dirty pages")]
+    DirtyLog(#[source] kvm_ioctls::Error),
 }
 
-/// Guest RAM and the file behind it.
+/// What keeps guest RAM's host mapping alive: the VM's own memfd, or the
+/// mapping a restore backend made.
+pub enum Backing {
+    Memfd(File),
+    /// `MAP_PRIVATE` of the snapshot's layer files (kernel copy-on-write).
+    Mmap(snapshot::mmap::PrivateMapping),
+    /// Anonymous memory filled by a userfaultfd page server.
+    Uffd(snapshot::uffd::UffdRestore),
+}
+
+/// Guest RAM and what backs it. Guest physical regions map, in order, onto
+/// one contiguous "RAM offset space" `[0, size)`.
 pub struct GuestRam {
     pub mem: GuestMemoryMmap,
-    pub file: File,
     pub size: u64,
+    pub backing: Backing,
 }
 
 /// Creates `size` bytes of zeroed guest RAM laid out by [`layout::ram_regions`].
@@ -54,7 +82,102 @@ pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
         offset += len;
     }
     let mem = GuestMemoryMmap::from_ranges_with_files(ranges).map_err(MemoryError::Map)?;
-    Ok(GuestRam { mem, file, size })
+    Ok(GuestRam {
+        mem,
+        size,
+        backing: Backing::Memfd(file),
+    })
+}
+
+/// Guest RAM over a restore backend's mapping of the whole RAM offset space.
+pub fn from_backing(backing: Backing) -> Result<GuestRam, MemoryError> {
+    let (ptr, size) = match &backing {
+        Backing::Memfd(_) => return Err(MemoryError::NotRestored),
+        Backing::Mmap(m) => (m.as_ptr(), m.len()),
+        Backing::Uffd(u) => (u.as_ptr(), u.len()),
+    };
+    let (regions, n) = layout::ram_regions(size);
+    let mut out = Vec::with_capacity(n);
+    let mut offset = 0u64;
+    for &(base, len) in &regions[..n] {
+        // SAFETY: the backend's mapping is live, page-aligned, read-write and
+        // `size` bytes long; offset + len <= size keeps this sub-range inside it,
+        // and the mapping outlives the region (it is kept in `GuestRam::backing`,
+        // which is dropped after `mem`).
+        let region = unsafe {
+            MmapRegion::<AtomicBitmap>::build_raw(
+                ptr.add(offset as usize),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE,
+            )
+        }
+        .map_err(MemoryError::Raw)?;
+        out.push(GuestRegionMmap::new(region, GuestAddress(base)).ok_or(MemoryError::Region)?);
+        offset += len;
+    }
+    let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Regions)?;
+    Ok(GuestRam { mem, size, backing })
+}
+
+/// Registers every region with KVM, slot `i` for region `i`, with dirty
+/// logging when `track_dirty`.
+pub fn register(vm: &VmFd, mem: &GuestMemoryMmap, track_dirty: bool) -> Result<(), MemoryError> {
+    for (slot, r) in mem.iter().enumerate() {
+        let region = kvm_userspace_memory_region {
+            slot: slot as u32,
+            guest_phys_addr: r.start_addr().0,
+            memory_size: r.len(),
+            userspace_addr: r.as_ptr() as u64,
+            flags: if track_dirty {
+                KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
+        };
+        // SAFETY: the region is a live host mapping of `memory_size` bytes owned
+        // by `mem`; the VMM keeps it mapped for as long as the VM fd exists (`Vm`
+        // stops every vCPU thread, then closes the VM fd, then unmaps memory).
+        unsafe { vm.set_user_memory_region(region) }.map_err(MemoryError::Register)?;
+    }
+    Ok(())
+}
+
+/// Pages changed since the last call, over the RAM offset space (bit `i` =
+/// page `i`, KVM's word layout): KVM's dirty log (guest writes) or'ed with the
+/// regions' own bitmaps (writes the VMM made through `mem`). Both are reset.
+pub fn take_dirty(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<Vec<u64>, MemoryError> {
+    let mut out = Vec::new();
+    for (slot, r) in mem.iter().enumerate() {
+        let mut kvm_log = vm
+            .get_dirty_log(slot as u32, r.len() as usize)
+            .map_err(MemoryError::DirtyLog)?;
+        let mapping: &MmapRegion<AtomicBitmap> = r;
+        let vmm_log = mapping.bitmap().get_and_reset();
+        for (k, v) in kvm_log.iter_mut().zip(vmm_log) {
+            *k |= v;
+        }
+        out.extend(kvm_log);
+    }
+    Ok(out)
+}
+
+/// Forgets the pages changed so far, so the next [`take_dirty`] starts now.
+pub fn reset_dirty(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), MemoryError> {
+    take_dirty(vm, mem).map(|_| ())
+}
+
+/// Maps a RAM-offset-space range to guest physical addresses, region by region.
+pub fn offset_to_gpa(size: u64, offset: u64) -> Option<GuestAddress> {
+    let (regions, n) = layout::ram_regions(size);
+    let mut start = 0;
+    for &(base, len) in &regions[..n] {
+        if offset < start + len {
+            return Some(GuestAddress(base + (offset - start)));
+        }
+        start += len;
+    }
+    None
 }
 
 #[cfg(test)]
@@ -71,8 +194,29 @@ mod tests {
             .unwrap();
         let mut b = [0u8; 4];
         use std::os::unix::fs::FileExt;
-        ram.file.read_exact_at(&mut b, 0x1000).unwrap();
+        let Backing::Memfd(file) = &ram.backing else {
+            panic!("fresh RAM is a memfd")
+        };
+        file.read_exact_at(&mut b, 0x1000).unwrap();
         assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
         assert!(ram.mem.read_obj::<u32>(GuestAddress(256 << 20)).is_err());
+    }
+
+    #[test]
+    fn offsets_map_across_the_gap() {
+        let g = layout::GIB;
+        assert_eq!(offset_to_gpa(6 * g, 0x1000), Some(GuestAddress(0x1000)));
+        assert_eq!(offset_to_gpa(6 * g, 3 * g), Some(GuestAddress(4 * g)));
+        assert_eq!(offset_to_gpa(6 * g, 6 * g), None);
+    }
+
+    #[test]
+    fn vmm_writes_are_tracked_per_page() {
+        let ram = create(128 << 20).unwrap();
+        ram.mem.write_obj(1u8, GuestAddress(5 * 4096 + 7)).unwrap();
+        let r: &MmapRegion<AtomicBitmap> = ram.mem.iter().next().unwrap();
+        let words = r.bitmap().get_and_reset();
+        assert_eq!(words[0], 1 << 5);
+        assert_eq!(r.bitmap().get_and_reset()[0], 0);
     }
 }

@@ -18,6 +18,8 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
+use crate::arch::state::{save_vcpu, StateError, VcpuState};
+
 /// Why a VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExitReason {
@@ -97,18 +99,24 @@ impl ExitSignal {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VcpuState {
+pub enum RunState {
     Created,
     Running,
     Paused,
     Exited,
 }
 
-#[derive(Debug)]
 enum Command {
     Run,
     Pause,
+    /// Capture the vCPU's state (only while parked) with these MSRs.
+    Save(Arc<Vec<u32>>),
     Exit,
+}
+
+enum Ack {
+    State(RunState),
+    Saved(Result<Box<VcpuState>, StateError>),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +129,10 @@ pub enum VcpuError {
     Gone(u8),
     #[error("vCPU {0} did not answer within {1:?}")]
     Timeout(u8, Duration),
+    #[error("vCPU {0} must be paused to save its state")]
+    NotPaused(u8),
+    #[error("Cannot save vCPU state")]
+    Save(#[source] StateError),
 }
 
 thread_local! {
@@ -158,9 +170,9 @@ pub struct VcpuContext {
 /// The host's handle on a vCPU thread.
 pub struct Vcpu {
     index: u8,
-    state: VcpuState,
+    state: RunState,
     tx: Sender<Command>,
-    acks: Receiver<VcpuState>,
+    acks: Receiver<Ack>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -178,7 +190,7 @@ impl Vcpu {
             .map_err(VcpuError::Spawn)?;
         Ok(Self {
             index,
-            state: VcpuState::Created,
+            state: RunState::Created,
             tx,
             acks,
             thread: Some(thread),
@@ -189,7 +201,7 @@ impl Vcpu {
         self.index
     }
 
-    pub fn state(&self) -> VcpuState {
+    pub fn state(&self) -> RunState {
         self.state
     }
 
@@ -201,17 +213,18 @@ impl Vcpu {
         }
     }
 
-    fn send(&mut self, cmd: Command) -> Result<VcpuState, VcpuError> {
+    fn send(&mut self, cmd: Command) -> Result<Ack, VcpuError> {
         self.tx.send(cmd).map_err(|_| VcpuError::Gone(self.index))?;
         self.kick();
         match self.acks.recv_timeout(ACK_TIMEOUT) {
-            Ok(s) => {
+            Ok(Ack::State(s)) => {
                 self.state = s;
-                Ok(s)
+                Ok(Ack::State(s))
             }
+            Ok(a) => Ok(a),
             Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout(self.index, ACK_TIMEOUT)),
             Err(RecvTimeoutError::Disconnected) => {
-                self.state = VcpuState::Exited;
+                self.state = RunState::Exited;
                 Err(VcpuError::Gone(self.index))
             }
         }
@@ -227,6 +240,17 @@ impl Vcpu {
         self.send(Command::Pause).map(|_| ())
     }
 
+    /// Captures the vCPU's KVM state; the vCPU must be paused (or not yet started).
+    pub fn save_state(&mut self, msrs: Arc<Vec<u32>>) -> Result<VcpuState, VcpuError> {
+        if !matches!(self.state, RunState::Paused | RunState::Created) {
+            return Err(VcpuError::NotPaused(self.index));
+        }
+        match self.send(Command::Save(msrs))? {
+            Ack::Saved(r) => r.map(|b| *b).map_err(VcpuError::Save),
+            Ack::State(_) => Err(VcpuError::NotPaused(self.index)),
+        }
+    }
+
     /// Ends the thread and joins it.
     pub fn stop(&mut self) {
         if self.thread.is_none() {
@@ -237,7 +261,7 @@ impl Vcpu {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        self.state = VcpuState::Exited;
+        self.state = RunState::Exited;
     }
 }
 
@@ -258,30 +282,38 @@ fn run_thread(
     mut fd: VcpuFd,
     ctx: VcpuContext,
     rx: Receiver<Command>,
-    acks: Sender<VcpuState>,
+    acks: Sender<Ack>,
 ) {
     KVM_RUN.with(|c| c.set(fd.get_kvm_run() as *mut kvm_run));
-    let mut state = VcpuState::Created;
+    let mut state = RunState::Created;
     loop {
-        if state != VcpuState::Running {
+        if state != RunState::Running {
             // Parked: block for the next command.
             match rx.recv() {
-                Ok(Command::Run) if state != VcpuState::Exited => state = VcpuState::Running,
+                Ok(Command::Run) if state != RunState::Exited => state = RunState::Running,
                 Ok(Command::Run) | Ok(Command::Pause) => {}
+                Ok(Command::Save(msrs)) => {
+                    let r = save_vcpu(&fd, index, &msrs).map(Box::new);
+                    let _ = acks.send(Ack::Saved(r));
+                    continue;
+                }
                 Ok(Command::Exit) | Err(_) => break,
             }
-            let _ = acks.send(state);
+            let _ = acks.send(Ack::State(state));
             continue;
         }
         fd.set_kvm_immediate_exit(0);
         match rx.try_recv() {
             Ok(Command::Pause) => {
-                state = VcpuState::Paused;
-                let _ = acks.send(state);
+                state = RunState::Paused;
+                let _ = acks.send(Ack::State(state));
                 continue;
             }
             Ok(Command::Run) => {
-                let _ = acks.send(state);
+                let _ = acks.send(Ack::State(state));
+            }
+            Ok(Command::Save(_)) => {
+                let _ = acks.send(Ack::Saved(Err(StateError::Running(index))));
             }
             Ok(Command::Exit) | Err(TryRecvError::Disconnected) => break,
             Err(TryRecvError::Empty) => {}
@@ -299,7 +331,7 @@ fn run_thread(
         };
         match flow {
             Flow::Continue => {}
-            Flow::Stop => state = VcpuState::Exited,
+            Flow::Stop => state = RunState::Exited,
             Flow::Fail(message) => {
                 let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
                 ctx.exit.set(ExitReason::VcpuFailed {
@@ -307,7 +339,7 @@ fn run_thread(
                     message: format!("{message} at rip {rip:#x}"),
                 });
                 // Park until the host tells us to exit, so the VM's teardown joins us.
-                state = VcpuState::Exited;
+                state = RunState::Exited;
             }
         }
     }

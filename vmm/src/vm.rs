@@ -1,24 +1,24 @@
 //! A running VM: KVM VM, guest RAM, devices, the event loop and vCPU threads.
 
-use devices::virtio::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use devices::virtio::block::{Block, BlockConfig};
+use devices::virtio::block::{Block, BlockConfig, LayeredDisk};
+use devices::virtio::mmio::MmioTransport;
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_MAX_CPUID_ENTRIES};
+use devices::virtio::{GuestMemoryMmap, VirtioDevice};
+use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::VmFd;
-use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 
-use crate::arch::{boot, cpuid, kernel, regs};
+use crate::arch::{boot, cpuid, kernel, regs, state};
 use crate::config::{ConfigError, VmConfig};
 use crate::event_loop::{EventLoop, Manager};
-use crate::kvm::{self, KvmError};
+use crate::kvm::{self, HostCaps, KvmError};
 use crate::mailbox::Mailbox;
 use crate::memory::{self, GuestRam, MemoryError};
-use crate::vcpu::{ExitSignal, Vcpu, VcpuContext, VcpuError, VcpuState};
-use crate::vm_devices::{Attach, AttachError};
+use crate::vcpu::{ExitSignal, RunState, Vcpu, VcpuContext, VcpuError};
+use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
 
 pub use crate::vcpu::ExitReason;
 pub use kernel::EntryKind;
@@ -52,6 +52,13 @@ pub enum VmError {
         std::path::PathBuf,
         #[source] devices::virtio::block::BlockError,
     ),
+    #[error("Cannot open disk {0}")]
+    LayeredDisk(
+        std::path::PathBuf,
+        #[source] devices::virtio::block::LayeredError,
+    ),
+    #[error("Cannot read KVM state")]
+    State(#[from] state::StateError),
     #[error("Cannot set up the vsock device")]
     Vsock(#[source] devices::virtio::vsock::VsockError),
     #[error("Cannot set up the rng device")]
@@ -64,15 +71,22 @@ pub enum VmError {
 
 /// A booted VM. Dropping it stops every thread it started and frees its memory.
 pub struct Vm {
-    // Field order is drop order: threads first, then what they use.
-    vcpus: Vec<Vcpu>,
-    event_loop: EventLoop,
-    mailbox: Option<Mailbox>,
-    exit: Arc<ExitSignal>,
-    kernel: kernel::LoadedKernel,
-    _vm: VmFd,
-    ram: GuestRam,
-    config: VmConfig,
+    // Field order is drop order: threads first, then what they use, the VM
+    // fd before the memory it maps.
+    pub(crate) vcpus: Vec<Vcpu>,
+    pub(crate) event_loop: EventLoop,
+    pub(crate) mailbox: Option<Mailbox>,
+    pub(crate) devices: DeviceHandles,
+    pub(crate) exit: Arc<ExitSignal>,
+    pub(crate) entry: EntryKind,
+    pub(crate) has_pit: bool,
+    /// MSRs a snapshot saves (KVM's list).
+    pub(crate) msrs: Arc<Vec<u32>>,
+    /// The snapshot this VM last took or was restored from: a diff builds on it.
+    pub(crate) parent: Option<snapshot::format::Snapshot>,
+    pub(crate) vm: VmFd,
+    pub(crate) ram: GuestRam,
+    pub(crate) config: VmConfig,
 }
 
 impl Vm {
@@ -87,44 +101,22 @@ impl Vm {
     /// instruction; [`Vm::resume`] starts them.
     pub fn create(config: VmConfig) -> Result<Vm, VmError> {
         config.validate()?;
-        let (kvm, caps) = kvm::open()?;
-        if usize::from(config.vcpus) > caps.max_vcpus {
-            return Err(VmError::HostVcpus(caps.max_vcpus));
-        }
-        let vm = kvm
-            .create_vm()
-            .map_err(|e| VmError::KvmOp("create a VM", e))?;
-        vm.set_tss_address(KVM_TSS_ADDRESS)
-            .map_err(|e| VmError::KvmOp("set the TSS address", e))?;
-        vm.create_irq_chip()
-            .map_err(|e| VmError::KvmOp("create the in-kernel irqchip", e))?;
-        if caps.pit2 {
-            let pit = kvm_pit_config {
-                flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
-                ..Default::default()
-            };
-            vm.create_pit2(pit)
-                .map_err(|e| VmError::KvmOp("create the in-kernel PIT", e))?;
-        } else {
-            log::warn!("host KVM has no in-kernel PIT (KVM_CAP_PIT2): the guest runs without one");
-        }
-
+        let (kvm, caps, vm) = kvm_vm(config.vcpus)?;
         let ram = memory::create(config.mem_mib << 20)?;
-        register_memory(&vm, &ram.mem)?;
+        memory::register(&vm, &ram.mem, true)?;
         let kernel = kernel::load(&ram.mem, &config.kernel)?;
         boot::write_boot_tables(&ram.mem)?;
 
         let exit = Arc::new(ExitSignal::default());
-        let mut at = Attach::new(
-            &vm,
-            &ram.mem,
-            Manager::new()
-                .map_err(|e| VmError::EventLoop(std::io::Error::other(format!("{e:?}"))))?,
-            exit.clone(),
-        );
-        at.attach_serial(config.serial.clone())?;
-        at.attach_i8042()?;
-        attach_virtio_devices(&mut at, &config)?;
+        let mut at = Attach::new(&vm, &ram.mem, new_manager()?, exit.clone());
+        let serial = at.attach_serial(config.serial.clone())?;
+        let i8042 = at.attach_i8042()?;
+        let virtio = attach_virtio_devices(&mut at, &config)?;
+        let devices = DeviceHandles {
+            serial,
+            i8042,
+            virtio,
+        };
         let mailbox = match kernel.kind {
             EntryKind::Direct => Some(at.attach_mailbox(config.vcpus)?),
             EntryKind::Linux => None,
@@ -155,26 +147,20 @@ impl Vm {
             regs::setup_vcpu(&fd, i, kernel.entry, kernel.kind)?;
             fds.push(fd);
         }
-
-        let Attach { pio, mmio, em, .. } = at;
-        let event_loop = EventLoop::start(em).map_err(VmError::EventLoop)?;
-        let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
-        let mut vcpus = Vec::with_capacity(fds.len());
-        for (i, fd) in fds.into_iter().enumerate() {
-            let ctx = VcpuContext {
-                pio: pio.clone(),
-                mmio: mmio.clone(),
-                exit: exit.clone(),
-            };
-            vcpus.push(Vcpu::spawn(i as u8, fd, ctx)?);
-        }
+        // Start tracking changes from the first instruction on.
+        memory::reset_dirty(&vm, &ram.mem)?;
+        let (event_loop, vcpus) = start_threads(at, fds, &exit)?;
         Ok(Vm {
             vcpus,
             event_loop,
             mailbox,
+            devices,
             exit,
-            kernel,
-            _vm: vm,
+            entry: kernel.kind,
+            has_pit: caps.pit2,
+            msrs: Arc::new(state::msr_list(&kvm)?),
+            parent: None,
+            vm,
             ram,
             config,
         })
@@ -214,7 +200,7 @@ impl Vm {
 
     /// Whether every vCPU is parked by [`Vm::pause`].
     pub fn is_paused(&self) -> bool {
-        self.vcpus.iter().all(|v| v.state() == VcpuState::Paused)
+        self.vcpus.iter().all(|v| v.state() == RunState::Paused)
     }
 
     /// Stops the VM (if still running) and every thread it started.
@@ -245,7 +231,7 @@ impl Vm {
     }
 
     pub fn entry_kind(&self) -> EntryKind {
-        self.kernel.kind
+        self.entry
     }
 }
 
@@ -256,42 +242,108 @@ impl Drop for Vm {
     }
 }
 
-fn register_memory(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), VmError> {
-    for (slot, r) in mem.iter().enumerate() {
-        let region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            guest_phys_addr: r.start_addr().0,
-            memory_size: r.len(),
-            userspace_addr: r.as_ptr() as u64,
-            flags: 0,
-        };
-        // SAFETY: the region is a live host mapping of `memory_size` bytes owned
-        // by `mem`, which the Vm keeps alive for as long as the VM fd exists
-        // (field order in `Vm` stops every vCPU thread, then closes the VM fd,
-        // then unmaps the memory).
-        unsafe { vm.set_user_memory_region(region) }
-            .map_err(|e| VmError::KvmOp("register guest memory", e))?;
+/// Opens KVM and creates a VM with its in-kernel irqchip (and PIT if the host has one).
+pub(crate) fn kvm_vm(vcpus: u8) -> Result<(kvm_ioctls::Kvm, HostCaps, VmFd), VmError> {
+    let (kvm, caps) = kvm::open()?;
+    if usize::from(vcpus) > caps.max_vcpus {
+        return Err(VmError::HostVcpus(caps.max_vcpus));
     }
-    Ok(())
+    let vm = kvm
+        .create_vm()
+        .map_err(|e| VmError::KvmOp("create a VM", e))?;
+    vm.set_tss_address(KVM_TSS_ADDRESS)
+        .map_err(|e| VmError::KvmOp("set the TSS address", e))?;
+    vm.create_irq_chip()
+        .map_err(|e| VmError::KvmOp("create the in-kernel irqchip", e))?;
+    if caps.pit2 {
+        let pit = kvm_pit_config {
+            flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit)
+            .map_err(|e| VmError::KvmOp("create the in-kernel PIT", e))?;
+    } else {
+        log::warn!("host KVM has no in-kernel PIT (KVM_CAP_PIT2): the guest runs without one");
+    }
+    Ok((kvm, caps, vm))
 }
 
-fn attach_virtio_devices(at: &mut Attach<'_>, config: &VmConfig) -> Result<(), VmError> {
+pub(crate) fn new_manager() -> Result<Manager, VmError> {
+    Manager::new().map_err(|e| VmError::EventLoop(std::io::Error::other(format!("{e:?}"))))
+}
+
+/// Starts the event loop and one parked thread per vCPU.
+pub(crate) fn start_threads(
+    at: Attach<'_>,
+    fds: Vec<kvm_ioctls::VcpuFd>,
+    exit: &Arc<ExitSignal>,
+) -> Result<(EventLoop, Vec<Vcpu>), VmError> {
+    let Attach { pio, mmio, em, .. } = at;
+    let event_loop = EventLoop::start(em).map_err(VmError::EventLoop)?;
+    let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
+    let mut vcpus = Vec::with_capacity(fds.len());
+    for (i, fd) in fds.into_iter().enumerate() {
+        let ctx = VcpuContext {
+            pio: pio.clone(),
+            mmio: mmio.clone(),
+            exit: exit.clone(),
+        };
+        vcpus.push(Vcpu::spawn(i as u8, fd, ctx)?);
+    }
+    Ok((event_loop, vcpus))
+}
+
+pub(crate) fn fresh(
+    mem: &GuestMemoryMmap,
+    dev: Arc<Mutex<dyn VirtioDevice>>,
+) -> Result<MmioTransport, AttachError> {
+    Ok(MmioTransport::new(mem.clone(), dev))
+}
+
+fn attach_virtio_devices(
+    at: &mut Attach<'_>,
+    config: &VmConfig,
+) -> Result<Vec<VirtioHandle>, VmError> {
+    let mut out = Vec::new();
     for d in &config.disks {
-        let blk = Block::new(BlockConfig {
-            path: d.path.clone(),
-            read_only: d.read_only,
-            id: d.id.clone(),
-        })
-        .map_err(|e| VmError::Disk(d.path.clone(), e))?;
-        at.attach_virtio("virtio-blk", Arc::new(Mutex::new(blk)))?;
+        // A writable disk is a layered disk whose top is the user's file: guest
+        // writes land in it, and snapshots copy only its data.
+        let blk = if d.read_only {
+            Block::new(BlockConfig {
+                path: d.path.clone(),
+                read_only: true,
+                id: d.id.clone(),
+            })
+            .map_err(|e| VmError::Disk(d.path.clone(), e))?
+        } else {
+            let disk = LayeredDisk::open_file(&d.path)
+                .map_err(|e| VmError::LayeredDisk(d.path.clone(), e))?;
+            Block::with_layered(Arc::new(disk), false, &d.id)
+                .map_err(|e| VmError::Disk(d.path.clone(), e))?
+        };
+        let dev = Arc::new(Mutex::new(blk));
+        let transport = at.attach_virtio("virtio-blk", dev.clone(), fresh)?;
+        out.push(VirtioHandle {
+            transport,
+            dev: VirtioDev::Block(dev),
+        });
     }
     if let Some(v) = &config.vsock {
         let dev = Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(VmError::Vsock)?;
-        at.attach_virtio("virtio-vsock", Arc::new(Mutex::new(dev)))?;
+        let dev = Arc::new(Mutex::new(dev));
+        let transport = at.attach_virtio("virtio-vsock", dev.clone(), fresh)?;
+        out.push(VirtioHandle {
+            transport,
+            dev: VirtioDev::Vsock(dev),
+        });
     }
     if config.rng {
-        let dev = Rng::new().map_err(VmError::Rng)?;
-        at.attach_virtio("virtio-rng", Arc::new(Mutex::new(dev)))?;
+        let dev = Arc::new(Mutex::new(Rng::new().map_err(VmError::Rng)?));
+        let transport = at.attach_virtio("virtio-rng", dev.clone(), fresh)?;
+        out.push(VirtioHandle {
+            transport,
+            dev: VirtioDev::Rng(dev),
+        });
     }
-    Ok(())
+    Ok(out)
 }

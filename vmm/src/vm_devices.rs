@@ -6,7 +6,10 @@ use devices::virtio::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 
 use devices::legacy::{Serial, SerialOutput, I8042};
+use devices::virtio::block::Block;
 use devices::virtio::mmio::{MmioTransport, NOTIFY_REG_OFFSET};
+use devices::virtio::rng::Rng;
+use devices::virtio::vsock::Vsock;
 use devices::virtio::VirtioDevice;
 use devices::Bus;
 use event_manager::{MutEventSubscriber, SubscriberOps};
@@ -31,6 +34,33 @@ pub enum AttachError {
     Bus(&'static str, #[source] devices::BusError),
     #[error("No room for another virtio-mmio device")]
     NoSlot,
+    #[error("Cannot restore the {0} from its saved state")]
+    Restore(
+        &'static str,
+        #[source] Box<dyn std::error::Error + Send + Sync>,
+    ),
+}
+
+/// A virtio device of a VM, kept for its state at snapshot time.
+#[derive(Clone)]
+pub enum VirtioDev {
+    Block(Arc<Mutex<Block>>),
+    Vsock(Arc<Mutex<Vsock>>),
+    Rng(Arc<Mutex<Rng>>),
+}
+
+/// The transport and device of one virtio-mmio slot.
+#[derive(Clone)]
+pub struct VirtioHandle {
+    pub transport: Arc<Mutex<MmioTransport>>,
+    pub dev: VirtioDev,
+}
+
+/// Every device of a VM whose state a snapshot captures.
+pub struct DeviceHandles {
+    pub serial: Arc<Mutex<Serial>>,
+    pub i8042: Arc<Mutex<I8042>>,
+    pub virtio: Vec<VirtioHandle>,
 }
 
 /// The buses and routing being built for one VM.
@@ -71,8 +101,16 @@ impl<'a> Attach<'a> {
     /// The 8250 at port 0x3f8 (Linux's ttyS0) and at its MMIO alias (the test
     /// guest's, since port I/O from guest user mode traps), on GSI 4.
     pub fn attach_serial(&mut self, out: SerialOutput) -> Result<Arc<Mutex<Serial>>, AttachError> {
+        self.attach_serial_with(|evt| Ok(Serial::new(evt, out)))
+    }
+
+    /// The serial port, built by `make` from its interrupt eventfd.
+    pub fn attach_serial_with(
+        &mut self,
+        make: impl FnOnce(EventFd) -> Result<Serial, AttachError>,
+    ) -> Result<Arc<Mutex<Serial>>, AttachError> {
         let evt = self.irq_eventfd("serial", layout::SERIAL_GSI)?;
-        let serial = Arc::new(Mutex::new(Serial::new(evt, out)));
+        let serial = Arc::new(Mutex::new(make(evt)?));
         self.pio
             .insert(
                 serial.clone(),
@@ -91,14 +129,23 @@ impl<'a> Attach<'a> {
     }
 
     /// The i8042: a guest reset through it ends the VM with `ExitReason::Reset`.
-    pub fn attach_i8042(&mut self) -> Result<(), AttachError> {
+    pub fn attach_i8042(&mut self) -> Result<Arc<Mutex<I8042>>, AttachError> {
+        self.attach_i8042_with(|evt| Ok(I8042::new(evt)))
+    }
+
+    /// The i8042, built by `make` from its reset eventfd.
+    pub fn attach_i8042_with(
+        &mut self,
+        make: impl FnOnce(EventFd) -> Result<I8042, AttachError>,
+    ) -> Result<Arc<Mutex<I8042>>, AttachError> {
         let evt = EventFd::new(EFD_NONBLOCK).map_err(|e| AttachError::EventFd("i8042", e))?;
         let watch = evt
             .try_clone()
             .map_err(|e| AttachError::EventFd("i8042", e))?;
+        let dev = Arc::new(Mutex::new(make(evt)?));
         self.pio
             .insert(
-                Arc::new(Mutex::new(I8042::new(evt))),
+                dev.clone(),
                 u64::from(layout::I8042_PORT),
                 u64::from(layout::I8042_PORT_SIZE),
             )
@@ -107,15 +154,20 @@ impl<'a> Attach<'a> {
             evt: watch,
             exit: self.exit.clone(),
         })));
-        Ok(())
+        Ok(dev)
     }
 
-    /// A virtio device on the next virtio-mmio window and its GSI.
+    /// A virtio device on the next virtio-mmio window and its GSI; `transport`
+    /// builds its transport (fresh, or restored from a snapshot).
     pub fn attach_virtio<D>(
         &mut self,
         what: &'static str,
         dev: Arc<Mutex<D>>,
-    ) -> Result<(), AttachError>
+        transport: impl FnOnce(
+            &GuestMemoryMmap,
+            Arc<Mutex<dyn VirtioDevice>>,
+        ) -> Result<MmioTransport, AttachError>,
+    ) -> Result<Arc<Mutex<MmioTransport>>, AttachError>
     where
         D: VirtioDevice + MutEventSubscriber + Send + 'static,
     {
@@ -140,19 +192,15 @@ impl<'a> Attach<'a> {
                     .map_err(|e| AttachError::Ioeventfd(what, e))?;
             }
         }
-        let transport = MmioTransport::new(self.mem.clone(), dev.clone());
+        let transport = Arc::new(Mutex::new(transport(self.mem, dev.clone())?));
         self.mmio
-            .insert(
-                Arc::new(Mutex::new(transport)),
-                base,
-                layout::VIRTIO_MMIO_SIZE,
-            )
+            .insert(transport.clone(), base, layout::VIRTIO_MMIO_SIZE)
             .map_err(|e| AttachError::Bus(what, e))?;
         self.em.add_subscriber(dev);
         self.cmdline_devices
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
         self.next_virtio += 1;
-        Ok(())
+        Ok(transport)
     }
 
     /// The test guest's mailbox: the doorbell device and one interrupt line per vCPU.

@@ -4,7 +4,10 @@
 //! sprout vm run --kernel PATH|testguest [--image PATH] [--disk PATH] [--cpus N]
 //!               [--memory-mib M] [--cmdline STR] [--vsock-cid N --vsock-uds PATH] [--rng]
 //!               [--api-sock PATH]
-//! sprout vm ctl --api-sock PATH status|pause|resume|stop|mailbox CPU CMD A0 A1 A2 A3
+//! sprout vm ctl --api-sock PATH status|pause|resume|stop|snapshot DIR [full|diff]|mailbox ...
+//! sprout vm pause|resume --api-sock PATH
+//! sprout vm snapshot --api-sock PATH [--diff] --out DIR
+//! sprout vm restore DIR [--memory-backend mmap|uffd] [--vsock-uds PATH] [--api-sock PATH]
 //! ```
 
 use std::io::{BufRead, BufReader, Write};
@@ -39,6 +42,49 @@ enum VmCmd {
     Run(RunArgs),
     /// Send one command to a running VM's control socket and print the answer.
     Ctl(CtlArgs),
+    /// Pause a running VM (every vCPU parked).
+    Pause(SockArgs),
+    /// Resume a paused VM.
+    Resume(SockArgs),
+    /// Snapshot a running VM into a new directory.
+    Snapshot(SnapshotArgs),
+    /// Restore a VM from a snapshot directory and run it like `vm run`.
+    Restore(RestoreArgs),
+}
+
+#[derive(Args)]
+struct SockArgs {
+    /// The VM's control socket (`sprout vm run --api-sock`).
+    #[arg(long)]
+    api_sock: PathBuf,
+}
+
+#[derive(Args)]
+struct SnapshotArgs {
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// Only what changed since the VM's previous snapshot (or its restore).
+    #[arg(long)]
+    diff: bool,
+    /// The new snapshot directory (must not exist).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct RestoreArgs {
+    /// The snapshot directory.
+    dir: PathBuf,
+    /// How guest memory is restored: mmap (MAP_PRIVATE of the snapshot files)
+    /// or uffd (userfaultfd page server with working-set prefetch).
+    #[arg(long, default_value = "mmap")]
+    memory_backend: vmm::MemoryBackend,
+    /// The restored VM's vsock socket (required if the snapshot has vsock).
+    #[arg(long)]
+    vsock_uds: Option<PathBuf>,
+    /// Serve a control socket here (see `sprout vm ctl`).
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -132,12 +178,14 @@ fn run(a: RunArgs) -> Result<bool> {
             uds_path: uds,
         });
     }
-    let vm = vmm::Vm::start(cfg)?;
+    serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref())
+}
+
+/// Runs `vm` (with a control socket at `api_sock`) until it ends.
+fn serve(vm: vmm::Vm, api_sock: Option<&std::path::Path>) -> Result<bool> {
     let exit = vm.exit_signal();
     let vm = Arc::new(Mutex::new(vm));
-    let api = a
-        .api_sock
-        .as_deref()
+    let api = api_sock
         .map(|p| ApiSocket::serve(p, vm.clone()))
         .transpose()?;
     let reason = exit.wait(None).unwrap_or(vmm::ExitReason::Stopped);
@@ -145,6 +193,22 @@ fn run(a: RunArgs) -> Result<bool> {
     drop(vm);
     eprintln!("sprout: VM ended: {reason}");
     Ok(reason.is_clean())
+}
+
+fn restore(a: RestoreArgs) -> Result<bool> {
+    let mut o = vmm::RestoreOptions::new(a.memory_backend);
+    o.serial = SerialOutput::Stdout;
+    o.vsock_uds = a.vsock_uds;
+    let vm = vmm::Vm::restore(&a.dir, o)
+        .with_context(|| format!("Cannot restore {}", a.dir.display()))?;
+    serve(vm, a.api_sock.as_deref())
+}
+
+fn send(sock: &std::path::Path, line: &str) -> Result<bool> {
+    ctl(CtlArgs {
+        api_sock: sock.to_owned(),
+        command: vec![line.to_owned()],
+    })
 }
 
 fn ctl(a: CtlArgs) -> Result<bool> {
@@ -169,6 +233,22 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Vm(VmCmd::Run(a)) => run(a),
         Cmd::Vm(VmCmd::Ctl(a)) => ctl(a),
+        Cmd::Vm(VmCmd::Pause(a)) => send(&a.api_sock, "pause"),
+        Cmd::Vm(VmCmd::Resume(a)) => send(&a.api_sock, "resume"),
+        Cmd::Vm(VmCmd::Snapshot(a)) => {
+            let kind = if a.diff { "diff" } else { "full" };
+            // The VM process has its own working directory.
+            let out = std::path::absolute(&a.out).unwrap_or(a.out);
+            match out.to_str() {
+                Some(out) if !out.contains(char::is_whitespace) => {
+                    send(&a.api_sock, &format!("snapshot {out} {kind}"))
+                }
+                _ => Err(anyhow::anyhow!(
+                    "--out must be a UTF-8 path without white space"
+                )),
+            }
+        }
+        Cmd::Vm(VmCmd::Restore(a)) => restore(a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -32,7 +32,7 @@ pub enum KernelError {
 }
 
 /// How the kernel wants to be entered.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum EntryKind {
     /// The Linux 64-bit boot protocol: vCPU 0 starts at the entry, the others
     /// wait for INIT/SIPI from the guest.

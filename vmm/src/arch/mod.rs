@@ -5,3 +5,4 @@ pub mod boot;
 pub mod cpuid;
 pub mod kernel;
 pub mod regs;
+pub mod state;

@@ -1,7 +1,8 @@
 //! The end-to-end latency report: runs each measured path many times and
 //! prints p50/p99 (and min/max) as a Markdown table for docs/benchmarks.md.
 //!
-//! `cargo run --release -p sprout-benches --bin report -- [RUNS]` (default 200)
+//! `cargo run --release -p sprout-benches --bin report -- [vm|snapshot|all] [RUNS]`
+//! (default: all, 200 runs for the VM core, 30 for snapshots).
 
 use std::time::{Duration, Instant};
 
@@ -34,13 +35,22 @@ fn row(name: &str, mut v: Vec<Duration>) {
 }
 
 fn main() -> anyhow::Result<()> {
-    let runs: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(200);
+    let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    let runs: Option<usize> = std::env::args().nth(2).map(|s| s.parse()).transpose()?;
     println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");
     println!("| --- | --- | --- | --- | --- | --- |");
+    if what == "vm" || what == "all" {
+        vm_core(runs.unwrap_or(200))?;
+    }
+    if what == "snapshot" || what == "all" {
+        snapshots::run(runs.unwrap_or(30))?;
+    }
+    Ok(())
+}
+
+mod snapshots;
+
+fn vm_core(runs: usize) -> anyhow::Result<()> {
 
     let mut create = Vec::with_capacity(runs);
     let mut boot = Vec::with_capacity(runs);

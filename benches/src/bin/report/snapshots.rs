@@ -1,0 +1,134 @@
+//! Snapshot, restore, pause and resume on the test guest: 1 vCPU, 512 MiB.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
+use guest_abi::mailbox as mb;
+use vmm::{ConsoleBuffer, MemoryBackend, RestoreOptions, SerialOutput, SnapshotKind, Vm, VmConfig};
+
+use super::row;
+
+const T: Duration = Duration::from_secs(30);
+
+fn boot() -> anyhow::Result<Vm> {
+    let mut c = VmConfig::new(testguest_build::TESTGUEST_PATH);
+    c.mem_mib = 512;
+    c.serial = SerialOutput::Buffer(ConsoleBuffer::new(4096));
+    let vm = Vm::start(c)?;
+    vm.mailbox().expect("mailbox").wait_ready(0, T)?;
+    // A guest that has been running: 8 MiB of its RAM written.
+    echo(&vm, mb::CMD_FILL, [TESTGUEST_SCRATCH, 2048, 1, 0])?;
+    Ok(vm)
+}
+
+fn echo(vm: &Vm, cmd: u32, args: [u64; 4]) -> anyhow::Result<()> {
+    let r = vm.mailbox().expect("mailbox").call(0, cmd, args, T)?;
+    anyhow::ensure!(r.is_ok(), "command {cmd} failed: {r:?}");
+    Ok(())
+}
+
+fn drop_caches() {
+    // Needs root; without it the "dropped" rows are warm and say so.
+    if std::fs::write("/proc/sys/vm/drop_caches", "3").is_err() {
+        eprintln!("cannot drop the page cache (not root?)");
+    }
+}
+
+struct Dir(PathBuf);
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch() -> anyhow::Result<Dir> {
+    let d = std::env::temp_dir().join(format!("sprout-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d)?;
+    Ok(Dir(d))
+}
+
+fn restore_opts(backend: MemoryBackend, prefetch: bool, dir: &Path) -> RestoreOptions {
+    let mut o = RestoreOptions::new(backend);
+    o.prefetch = prefetch;
+    o.record_working_set_for = None;
+    o.scratch_dir = dir.to_path_buf();
+    o
+}
+
+pub fn run(runs: usize) -> anyhow::Result<()> {
+    let dir = scratch()?;
+    let mut vm = boot()?;
+
+    let (mut pause, mut resume) = (Vec::new(), Vec::new());
+    for _ in 0..runs * 10 {
+        let t = Instant::now();
+        vm.pause()?;
+        pause.push(t.elapsed());
+        let t = Instant::now();
+        vm.resume()?;
+        resume.push(t.elapsed());
+    }
+    row("pause (1 vCPU, running guest idle in HLT)", pause);
+    row("resume", resume);
+
+    let (mut full, mut diff) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        let p = dir.0.join(format!("full{i}"));
+        let t = Instant::now();
+        vm.snapshot(&p, SnapshotKind::Full)?;
+        full.push(t.elapsed());
+        // 16 MiB dirtied by the guest, then a diff.
+        echo(&vm, mb::CMD_FILL, [TESTGUEST_SCRATCH + 64 * MIB, 4096, i as u64, 0])?;
+        let d = dir.0.join(format!("diff{i}"));
+        let t = Instant::now();
+        vm.snapshot(&d, SnapshotKind::Diff)?;
+        diff.push(t.elapsed());
+        if i + 1 < runs {
+            std::fs::remove_dir_all(&d)?;
+            std::fs::remove_dir_all(&p)?;
+        }
+    }
+    row("full snapshot, 512 MiB guest with ~10 MiB touched (fsync'd)", full);
+    row("diff snapshot, 16 MiB dirty (fsync'd)", diff);
+    let snap = dir.0.join(format!("diff{}", runs - 1));
+    drop(vm);
+
+    // Record the working set once (first restore), for the prefetch rows.
+    {
+        let mut o = restore_opts(MemoryBackend::Uffd, true, &dir.0);
+        o.record_working_set_for = Some(Duration::from_millis(300));
+        let r = Vm::restore(&snap, o)?;
+        echo(&r, mb::CMD_ECHO, [1, 0, 0, 0])?;
+        std::thread::sleep(Duration::from_millis(350));
+        anyhow::ensure!(r.save_working_set()?, "no working set recorded");
+    }
+
+    for (name, backend, prefetch) in [
+        ("mmap", MemoryBackend::Mmap, false),
+        ("uffd", MemoryBackend::Uffd, false),
+        ("uffd + prefetch", MemoryBackend::Uffd, true),
+    ] {
+        for cache in ["warm", "dropped"] {
+            let (mut running, mut answered) = (Vec::new(), Vec::new());
+            for _ in 0..runs {
+                if cache == "dropped" {
+                    drop_caches();
+                }
+                let t = Instant::now();
+                let r = Vm::restore(&snap, restore_opts(backend, prefetch, &dir.0))?;
+                running.push(t.elapsed());
+                echo(&r, mb::CMD_ECHO, [7, 0, 0, 0])?;
+                answered.push(t.elapsed());
+                drop(r);
+            }
+            row(&format!("restore to running, {name}, page cache {cache}"), running);
+            row(
+                &format!("restore to first answer (mailbox; wake from HLT emulated), {name}, page cache {cache}"),
+                answered,
+            );
+        }
+    }
+    Ok(())
+}

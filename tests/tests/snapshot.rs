@@ -1,0 +1,325 @@
+//! Snapshot and restore of the test guest under real KVM, with both memory
+//! backends: RAM, vCPU and device state continue where they were.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
+use guest_abi::mailbox::{self as mb, checksum_step, pattern_word};
+use sprout_tests::{boot, call, config, TempDir, TIMEOUT};
+use vm_memory::{Bytes, GuestAddress};
+use vmm::{DiskConfig, MemoryBackend, RestoreOptions, SnapshotKind, Vm, VsockConfig};
+
+const PAGES: u64 = 256; // 1 MiB pattern
+
+fn expected_checksum(seed: u64, gpa: u64, pages: u64) -> u64 {
+    (0..pages * 512).fold(0, |acc, i| {
+        checksum_step(acc, pattern_word(seed, gpa + i * 8))
+    })
+}
+
+fn opts(backend: MemoryBackend, dir: &TempDir, tag: &str) -> RestoreOptions {
+    let mut o = RestoreOptions::new(backend);
+    o.vsock_uds = Some(dir.path().join(format!("{tag}.vsock")));
+    o.scratch_dir = dir.path().to_path_buf();
+    o
+}
+
+fn mailbox_ok(vm: &Vm) {
+    let r = call(vm, 0, mb::CMD_ECHO, [99, 0, 0, 0]);
+    assert_eq!(r.rets[0], 99);
+}
+
+#[test]
+fn counter_pattern_and_registers_continue_after_restore_with_each_backend() {
+    let dir = TempDir::new("snap-basic");
+    let (cfg, console) = config(2, 256);
+    let mut vm = boot(cfg, &console);
+    let gpa = TESTGUEST_SCRATCH + 3 * MIB;
+    call(&vm, 0, mb::CMD_FILL, [gpa, PAGES, 0xabc, 0]);
+    call(&vm, 0, mb::CMD_COUNT, [1000, 0, 0, 0]);
+    call(&vm, 1, mb::CMD_COUNT, [77, 0, 0, 0]);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    // The original runs on and diverges.
+    assert_eq!(call(&vm, 0, mb::CMD_COUNT, [1, 0, 0, 0]).rets[0], 1001);
+    call(&vm, 0, mb::CMD_FILL, [gpa, PAGES, 0xdef, 0]);
+
+    for backend in [MemoryBackend::Mmap, MemoryBackend::Uffd] {
+        let r = Vm::restore(&snap, opts(backend, &dir, "a")).unwrap();
+        let m = r.mailbox().unwrap();
+        assert_eq!(m.counter(0).unwrap(), 1000, "{backend:?}");
+        assert_eq!(call(&r, 0, mb::CMD_COUNT, [5, 0, 0, 0]).rets[0], 1005);
+        assert_eq!(call(&r, 1, mb::CMD_COUNT, [3, 0, 0, 0]).rets[0], 80);
+        let c = call(&r, 0, mb::CMD_CHECKSUM, [gpa, PAGES, 0, 0]).rets[0];
+        assert_eq!(c, expected_checksum(0xabc, gpa, PAGES), "{backend:?}");
+        // The guest keeps running: a fresh fill and a reset still work.
+        call(&r, 1, mb::CMD_FILL, [gpa + 8 * MIB, 16, 1, 0]);
+        drop(r);
+    }
+    // The original is untouched by its restores.
+    let c = call(&vm, 0, mb::CMD_CHECKSUM, [gpa, PAGES, 0, 0]).rets[0];
+    assert_eq!(c, expected_checksum(0xdef, gpa, PAGES));
+}
+
+#[test]
+fn twenty_restores_in_a_row_all_answer() {
+    let dir = TempDir::new("snap-20");
+    let (cfg, console) = config(1, 256);
+    let mut vm = boot(cfg, &console);
+    call(&vm, 0, mb::CMD_COUNT, [10, 0, 0, 0]);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    for i in 0..20 {
+        let backend = if i % 2 == 0 {
+            MemoryBackend::Mmap
+        } else {
+            MemoryBackend::Uffd
+        };
+        let r = Vm::restore(&snap, opts(backend, &dir, "x")).unwrap();
+        assert_eq!(
+            call(&r, 0, mb::CMD_COUNT, [1, 0, 0, 0]).rets[0],
+            11,
+            "restore {i}"
+        );
+    }
+}
+
+#[test]
+fn a_diff_on_a_full_restores_the_later_state() {
+    let dir = TempDir::new("snap-diff");
+    let (cfg, console) = config(1, 512);
+    let mut vm = boot(cfg, &console);
+    let a = TESTGUEST_SCRATCH;
+    let b = TESTGUEST_SCRATCH + 64 * MIB;
+    call(&vm, 0, mb::CMD_FILL, [a, PAGES, 1, 0]);
+    let full = dir.path().join("full");
+    vm.snapshot(&full, SnapshotKind::Full).unwrap();
+    // Change some pages, and zero a page the full layer holds.
+    call(&vm, 0, mb::CMD_FILL, [b, PAGES, 2, 0]);
+    call(&vm, 0, mb::CMD_COUNT, [42, 0, 0, 0]);
+    vm.memory()
+        .write_slice(&[0u8; 4096], GuestAddress(a))
+        .unwrap();
+    let diff = dir.path().join("diff");
+    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    // The diff holds only what changed: far smaller than the full.
+    let used = |p: &Path| -> u64 {
+        std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| {
+                use std::os::unix::fs::MetadataExt;
+                e.unwrap().metadata().unwrap().blocks() * 512
+            })
+            .sum()
+    };
+    assert!(used(&diff) < 3 * MIB, "diff uses {} bytes", used(&diff));
+    drop(vm);
+    for backend in [MemoryBackend::Mmap, MemoryBackend::Uffd] {
+        let r = Vm::restore(&diff, opts(backend, &dir, "d")).unwrap();
+        assert_eq!(r.mailbox().unwrap().counter(0).unwrap(), 42);
+        let cb = call(&r, 0, mb::CMD_CHECKSUM, [b, PAGES, 0, 0]).rets[0];
+        assert_eq!(cb, expected_checksum(2, b, PAGES), "{backend:?}");
+        // Page `a` went back to zero; the rest of the full layer's pattern stays.
+        let mut page = [1u8; 4096];
+        r.memory().read_slice(&mut page, GuestAddress(a)).unwrap();
+        assert!(
+            page.iter().all(|&x| x == 0),
+            "{backend:?}: zeroed page restored"
+        );
+        let rest = call(&r, 0, mb::CMD_CHECKSUM, [a + 4096, PAGES - 1, 0, 0]).rets[0];
+        assert_eq!(rest, expected_checksum(1, a + 4096, PAGES - 1));
+        // The full alone still restores the earlier state.
+        let f = Vm::restore(&full, opts(backend, &dir, "f")).unwrap();
+        assert_eq!(f.mailbox().unwrap().counter(0).unwrap(), 0);
+    }
+}
+
+fn host_connect(uds: &Path, port: u32) -> UnixStream {
+    let mut s = UnixStream::connect(uds).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(&mut s).read_line(&mut line).unwrap();
+    assert!(line.starts_with("OK "), "handshake answer {line:?}");
+    s
+}
+
+#[test]
+fn devices_continue_after_restore_and_disks_diverge_privately() {
+    let dir = TempDir::new("snap-dev");
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let (mut cfg, console) = config(1, 256);
+    cfg.disks = vec![DiskConfig {
+        path: disk.clone(),
+        read_only: false,
+        id: "data".into(),
+    }];
+    cfg.vsock = Some(VsockConfig {
+        guest_cid: 9,
+        uds_path: dir.path().join("orig.vsock"),
+    });
+    cfg.rng = true;
+    let mut vm = boot(cfg, &console);
+    let buf = TESTGUEST_SCRATCH;
+    let before: Vec<u8> = (0..512u32).map(|i| (i % 200) as u8).collect();
+    vm.memory().write_slice(&before, GuestAddress(buf)).unwrap();
+    call(&vm, 0, mb::CMD_BLK_WRITE, [0, 100, buf, 1]);
+    // A vsock exchange before the snapshot.
+    let mut c = host_connect(&dir.path().join("orig.vsock"), mb::VSOCK_ECHO_PORT);
+    c.write_all(b"before").unwrap();
+    let mut got = [0u8; 6];
+    c.read_exact(&mut got).unwrap();
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    // The original overwrites its sector after the snapshot.
+    vm.memory()
+        .write_slice(&[0xee; 512], GuestAddress(buf))
+        .unwrap();
+    call(&vm, 0, mb::CMD_BLK_WRITE, [0, 100, buf, 1]);
+
+    let o = opts(MemoryBackend::Uffd, &dir, "restored");
+    let uds = o.vsock_uds.clone().unwrap();
+    let r = Vm::restore(&snap, o).unwrap();
+    // blk: the restored disk has the sector as it was at the snapshot...
+    call(&r, 0, mb::CMD_BLK_READ, [0, 100, buf + MIB, 1]);
+    let mut back = vec![0u8; 512];
+    r.memory()
+        .read_slice(&mut back, GuestAddress(buf + MIB))
+        .unwrap();
+    assert_eq!(back, before);
+    // ...and its writes go to its private top, never to the original file.
+    r.memory()
+        .write_slice(&[0x5a; 512], GuestAddress(buf))
+        .unwrap();
+    call(&r, 0, mb::CMD_BLK_WRITE, [0, 200, buf, 1]);
+    call(&r, 0, mb::CMD_BLK_READ, [0, 200, buf + MIB, 1]);
+    r.memory()
+        .read_slice(&mut back, GuestAddress(buf + MIB))
+        .unwrap();
+    assert_eq!(back, vec![0x5a; 512]);
+    let mut on_file = vec![0u8; 512];
+    std::fs::File::open(&disk)
+        .unwrap()
+        .read_exact_at(&mut on_file, 200 * 512)
+        .unwrap();
+    assert_eq!(
+        on_file,
+        vec![0u8; 512],
+        "restored VM wrote the original disk"
+    );
+    std::fs::File::open(&disk)
+        .unwrap()
+        .read_exact_at(&mut on_file, 100 * 512)
+        .unwrap();
+    assert_eq!(
+        on_file,
+        vec![0xee; 512],
+        "original VM's write is in its file"
+    );
+    // vsock: the guest saw a transport reset; new connections work both ways.
+    let mut c2 = host_connect(&uds, mb::VSOCK_ECHO_PORT);
+    c2.write_all(b"after restore").unwrap();
+    let mut got = [0u8; 13];
+    c2.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"after restore");
+    let port = 6000u64;
+    let listener =
+        std::os::unix::net::UnixListener::bind(format!("{}_{port}", uds.display())).unwrap();
+    let host = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut b = [0u8; 5];
+        s.read_exact(&mut b).unwrap();
+        s.write_all(b"yes").unwrap();
+        b
+    });
+    r.memory().write_slice(b"hello", GuestAddress(buf)).unwrap();
+    let rep = call(&r, 0, mb::CMD_VSOCK_SEND, [port, buf, 5, 0]);
+    assert_eq!(&host.join().unwrap(), b"hello");
+    assert_eq!(rep.rets[0], 3);
+    // rng still serves.
+    call(&r, 0, mb::CMD_RNG_READ, [buf, 64, 0, 0]);
+    drop(r);
+    drop(vm);
+    // The restored VM's private disk top leaves nothing behind.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("sprout-disk-"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn corrupt_snapshots_are_refused_naming_the_file() {
+    let dir = TempDir::new("snap-corrupt");
+    let (cfg, console) = config(1, 128);
+    let mut vm = boot(cfg, &console);
+    call(&vm, 0, mb::CMD_FILL, [TESTGUEST_SCRATCH, 16, 3, 0]);
+    let good = dir.path().join("good");
+    vm.snapshot(&good, SnapshotKind::Full).unwrap();
+    drop(vm);
+    let files: Vec<String> = std::fs::read_dir(&good)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for name in ["manifest.json", "state.bin", "memory", "memory.map"] {
+        let f = files
+            .iter()
+            .find(|f| f.as_str() == name)
+            .unwrap_or_else(|| panic!("no {name} in {files:?}"))
+            .clone();
+        for damage in ["truncate-half", "flip"] {
+            let bad = dir.path().join(format!("bad-{name}-{damage}"));
+            std::fs::create_dir(&bad).unwrap();
+            for g in &files {
+                std::fs::copy(good.join(g), bad.join(g)).unwrap();
+            }
+            let p = bad.join(&f);
+            let mut bytes = std::fs::read(&p).unwrap();
+            match damage {
+                "truncate-half" => bytes.truncate(bytes.len() / 2),
+                _ => {
+                    // Flip a byte in the data, past any header.
+                    let at = bytes
+                        .iter()
+                        .position(|&b| b != 0)
+                        .unwrap_or(0)
+                        .max(bytes.len() / 3);
+                    bytes[at] ^= 0x40;
+                }
+            }
+            std::fs::write(&p, bytes).unwrap();
+            let t = std::time::Instant::now();
+            let err = match Vm::restore(&bad, opts(MemoryBackend::Mmap, &dir, "c")) {
+                Ok(_) => panic!("{name} {damage}: restored"),
+                Err(e) => format!("{:#}", anyhow_chain(&e)),
+            };
+            assert!(t.elapsed().as_secs() < 1, "{name} {damage}: slow refusal");
+            assert!(
+                err.contains(&format!("{}/{name} ", bad.display()))
+                    || err.ends_with(&format!("{}/{name}", bad.display()))
+                    || err.contains(&format!("{}/{name}:", bad.display())),
+                "{name} {damage}: error does not name the file: {err}"
+            );
+        }
+    }
+}
+
+fn anyhow_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        src = x.source();
+    }
+    s
+}
