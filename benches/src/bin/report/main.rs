@@ -51,7 +51,6 @@ fn main() -> anyhow::Result<()> {
 mod snapshots;
 
 fn vm_core(runs: usize) -> anyhow::Result<()> {
-
     let mut create = Vec::with_capacity(runs);
     let mut boot = Vec::with_capacity(runs);
     let mut ready = Vec::with_capacity(runs);

@@ -80,7 +80,11 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
         vm.snapshot(&p, SnapshotKind::Full)?;
         full.push(t.elapsed());
         // 16 MiB dirtied by the guest, then a diff.
-        echo(&vm, mb::CMD_FILL, [TESTGUEST_SCRATCH + 64 * MIB, 4096, i as u64, 0])?;
+        echo(
+            &vm,
+            mb::CMD_FILL,
+            [TESTGUEST_SCRATCH + 64 * MIB, 4096, i as u64, 0],
+        )?;
         let d = dir.0.join(format!("diff{i}"));
         let t = Instant::now();
         vm.snapshot(&d, SnapshotKind::Diff)?;
@@ -90,7 +94,10 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
             std::fs::remove_dir_all(&p)?;
         }
     }
-    row("full snapshot, 512 MiB guest with ~10 MiB touched (fsync'd)", full);
+    row(
+        "full snapshot, 512 MiB guest with ~10 MiB touched (fsync'd)",
+        full,
+    );
     row("diff snapshot, 16 MiB dirty (fsync'd)", diff);
     let snap = dir.0.join(format!("diff{}", runs - 1));
     drop(vm);
@@ -123,7 +130,10 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
                 answered.push(t.elapsed());
                 drop(r);
             }
-            row(&format!("restore to running, {name}, page cache {cache}"), running);
+            row(
+                &format!("restore to running, {name}, page cache {cache}"),
+                running,
+            );
             row(
                 &format!("restore to first answer (mailbox; wake from HLT emulated), {name}, page cache {cache}"),
                 answered,
