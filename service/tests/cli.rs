@@ -255,3 +255,86 @@ impl Drop for Reaped {
         let _ = self.0.wait();
     }
 }
+
+/// SIGKILL of the VMM at random points while it writes a snapshot never
+/// leaves a directory that loads as complete: it is absent, or whole.
+#[test]
+fn a_vmm_killed_mid_snapshot_never_leaves_a_snapshot_that_looks_whole() {
+    let tmp = std::env::temp_dir().join(format!("sprout-cli-{}-kill", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let (mut absent, mut whole) = (0, 0);
+    for i in 0..20u64 {
+        let sock = tmp.join(format!("k{i}.sock"));
+        let mut vm = Reaped(
+            Command::new(env!("CARGO_BIN_EXE_sprout"))
+                .args([
+                    "vm",
+                    "run",
+                    "--kernel",
+                    "testguest",
+                    "--memory-mib",
+                    "512",
+                    "--api-sock",
+                ])
+                .arg(&sock)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !sock.exists() {
+            assert!(std::time::Instant::now() < deadline, "no API socket");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        // 32 MiB of guest RAM written, so the snapshot takes a while.
+        assert!(
+            ctl(
+                &sock,
+                &[
+                    "mailbox",
+                    "0",
+                    "2",
+                    "0x1000000",
+                    "8192",
+                    &i.to_string(),
+                    "0"
+                ]
+            )
+            .0
+        );
+        let dir = tmp.join(format!("snap{i}"));
+        let mut snap = Command::new(env!("CARGO_BIN_EXE_sprout"))
+            .args([
+                "vm",
+                "ctl",
+                "--api-sock",
+                sock.to_str().unwrap(),
+                "snapshot",
+            ])
+            .arg(&dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        // Kill somewhere between "not started" and "long done".
+        std::thread::sleep(std::time::Duration::from_micros((i * 7919 * 7) % 400_000));
+        vm.0.kill().unwrap();
+        vm.0.wait().unwrap();
+        let _ = snap.wait();
+        match snapshot::format::Snapshot::load(&dir) {
+            Ok(_) => whole += 1,
+            Err(e) => {
+                assert!(
+                    !dir.exists(),
+                    "try {i}: {} exists but does not load: {e}",
+                    dir.display()
+                );
+                absent += 1;
+            }
+        }
+    }
+    eprintln!("20 kills: {absent} snapshots absent, {whole} complete");
+    let _ = std::fs::remove_dir_all(&tmp);
+}

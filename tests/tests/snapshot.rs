@@ -27,11 +27,6 @@ fn opts(backend: MemoryBackend, dir: &TempDir, tag: &str) -> RestoreOptions {
     o
 }
 
-fn mailbox_ok(vm: &Vm) {
-    let r = call(vm, 0, mb::CMD_ECHO, [99, 0, 0, 0]);
-    assert_eq!(r.rets[0], 99);
-}
-
 #[test]
 fn counter_pattern_and_registers_continue_after_restore_with_each_backend() {
     let dir = TempDir::new("snap-basic");
