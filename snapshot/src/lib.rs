@@ -30,6 +30,9 @@ pub mod uffd;
 /// Size of a guest page, and of the chunks files are checksummed in.
 pub const PAGE_SIZE: usize = 4096;
 
+pub mod reservation;
+pub use reservation::Reservation;
+
 pub use format::{
     Checksum, KernelIdentity, Manifest, Shape, Snapshot, SnapshotError, SnapshotId, SnapshotWriter,
     FORMAT_VERSION,

@@ -143,6 +143,26 @@ pub fn map_private_with(
     mem_bytes: u64,
     opts: MapOptions,
 ) -> Result<PrivateMapping, MmapError> {
+    map_private_impl(stack, mem_bytes, opts, None)
+}
+
+/// [`map_private_with`] into `at`, which becomes the mapping (its length must
+/// be `mem_bytes`): the address stays what the caller registered with KVM.
+pub fn map_private_in(
+    stack: &LayerStack,
+    mem_bytes: u64,
+    opts: MapOptions,
+    at: crate::Reservation,
+) -> Result<PrivateMapping, MmapError> {
+    map_private_impl(stack, mem_bytes, opts, Some(at))
+}
+
+fn map_private_impl(
+    stack: &LayerStack,
+    mem_bytes: u64,
+    opts: MapOptions,
+    at: Option<crate::Reservation>,
+) -> Result<PrivateMapping, MmapError> {
     let max_mappings = opts.max_mappings;
     if mem_bytes != stack.mem_bytes() {
         return Err(MmapError::Size {
@@ -154,9 +174,28 @@ pub fn map_private_with(
         return Err(MmapError::NoMappings);
     }
     let len = mem_bytes as usize;
-    let base = map_file(None, len, stack.layer_fd(0), 0).map_err(|source| MmapError::Map {
-        path: stack.layer_path(0).clone(),
-        source,
+    if let Some(r) = &at {
+        if r.len() != len {
+            return Err(MmapError::Size {
+                asked: r.len() as u64,
+                actual: mem_bytes,
+            });
+        }
+    }
+    // Into a reservation, the base replaces it in place (MAP_FIXED); from then
+    // on the PrivateMapping owns (and unmaps) the range.
+    let fixed = at.map(|r| r.into_raw().0.as_ptr());
+    let base = map_file(fixed, len, stack.layer_fd(0), 0).map_err(|source| {
+        if let Some(p) = fixed {
+            // SAFETY: the reserved range was ours; after a failed MAP_FIXED
+            // it holds either the reservation or nothing, and nobody else
+            // refers to it.
+            unsafe { libc::munmap(p.cast(), len) };
+        }
+        MmapError::Map {
+            path: stack.layer_path(0).clone(),
+            source,
+        }
     })?;
     let mut out = PrivateMapping {
         ptr: base,

@@ -318,3 +318,43 @@ fn anyhow_chain(e: &dyn std::error::Error) -> String {
     }
     s
 }
+
+#[test]
+fn restores_into_prebuilt_shells_with_each_backend() {
+    let dir = TempDir::new("snap-shell");
+    let (cfg, console) = config(2, 256);
+    let mut vm = boot(cfg, &console);
+    call(&vm, 0, mb::CMD_COUNT, [500, 0, 0, 0]);
+    call(&vm, 1, mb::CMD_FILL, [TESTGUEST_SCRATCH, PAGES, 9, 0]);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    let pool = vmm::ShellPool::new(2, 256);
+    pool.fill(3).unwrap();
+    assert_eq!(pool.len(), 3);
+    for backend in [
+        MemoryBackend::Mmap,
+        MemoryBackend::Uffd,
+        MemoryBackend::Mmap,
+    ] {
+        let r = Vm::restore_in(pool.take().unwrap(), &snap, opts(backend, &dir, "s")).unwrap();
+        assert_eq!(
+            call(&r, 0, mb::CMD_COUNT, [1, 0, 0, 0]).rets[0],
+            501,
+            "{backend:?}"
+        );
+        let c = call(&r, 1, mb::CMD_CHECKSUM, [TESTGUEST_SCRATCH, PAGES, 0, 0]).rets[0];
+        assert_eq!(
+            c,
+            expected_checksum(9, TESTGUEST_SCRATCH, PAGES),
+            "{backend:?}"
+        );
+    }
+    assert!(pool.is_empty());
+    // A shell of another shape is refused, not used.
+    let wrong = vmm::VmShell::new(1, 256).unwrap();
+    let err = Vm::restore_in(wrong, &snap, opts(MemoryBackend::Mmap, &dir, "w"))
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("shell"), "{err}");
+}

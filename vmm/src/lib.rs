@@ -9,10 +9,12 @@
 pub mod arch;
 pub mod config;
 pub mod event_loop;
+pub mod fork;
 pub mod kvm;
 pub mod mailbox;
 pub mod memory;
 mod persist;
+pub mod shell;
 pub mod vcpu;
 pub mod vm;
 mod vm_devices;
@@ -22,5 +24,7 @@ pub use guest_abi::layout;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
+pub use fork::ForkOptions;
 pub use persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
+pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};

@@ -143,6 +143,38 @@ pub fn register(vm: &VmFd, mem: &GuestMemoryMmap, track_dirty: bool) -> Result<(
     Ok(())
 }
 
+/// Registers guest memory regions over `[base, base + size)` (the RAM offset
+/// space, region by region) before anything is mapped there for good: a
+/// restore later maps the snapshot over the same range.
+pub fn register_range(
+    vm: &VmFd,
+    base: *mut u8,
+    size: u64,
+    track_dirty: bool,
+) -> Result<(), MemoryError> {
+    let (regions, n) = layout::ram_regions(size);
+    let mut offset = 0u64;
+    for (slot, &(gpa, len)) in regions[..n].iter().enumerate() {
+        let region = kvm_userspace_memory_region {
+            slot: slot as u32,
+            guest_phys_addr: gpa,
+            memory_size: len,
+            userspace_addr: base as u64 + offset,
+            flags: if track_dirty {
+                KVM_MEM_LOG_DIRTY_PAGES
+            } else {
+                0
+            },
+        };
+        // SAFETY: the caller owns `[base, base + size)` (a reservation that
+        // becomes the VM's guest RAM and stays mapped until after the VM fd is
+        // closed); KVM only records the range here.
+        unsafe { vm.set_user_memory_region(region) }.map_err(MemoryError::Register)?;
+        offset += len;
+    }
+    Ok(())
+}
+
 /// Pages changed since the last call, over the RAM offset space (bit `i` =
 /// page `i`, KVM's word layout): KVM's dirty log (guest writes) or'ed with the
 /// regions' own bitmaps (writes the VMM made through `mem`). Both are reset.

@@ -32,6 +32,7 @@ use crate::arch::kernel::EntryKind;
 use crate::arch::state::{self, VcpuState, VmArchState};
 use crate::config::{VmConfig, VmSpec};
 use crate::memory::{self, Backing, GuestRam};
+use crate::shell::VmShell;
 use crate::vcpu::ExitSignal;
 use crate::vm::{kvm_vm, new_manager, start_threads, Vm, VmError};
 use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
@@ -108,6 +109,12 @@ pub enum PersistError {
     Exited(crate::vcpu::ExitReason),
     #[error("A diff snapshot needs an earlier snapshot of this VM: take a full one first")]
     NoParent,
+    #[error("This VM's last layer is a fork layer, which is not kept: take a full snapshot")]
+    EphemeralParent,
+    #[error("A fork needs at least one child")]
+    NoChildren,
+    #[error("The VM has a vsock device: give the fork a directory for the children's sockets")]
+    NeedVsockDir,
     #[error(transparent)]
     Vm(#[from] VmError),
     #[error("Snapshot")]
@@ -253,6 +260,22 @@ impl Vm {
     /// Takes a snapshot into `dir` (which must not exist). The VM is paused for
     /// the capture and resumed after, unless it was paused already.
     pub fn snapshot(&mut self, dir: &Path, kind: SnapshotKind) -> Result<(), PersistError> {
+        if kind == SnapshotKind::Diff && self.fork_layer.is_some() {
+            return Err(PersistError::EphemeralParent);
+        }
+        self.snapshot_with(dir, kind, true)?;
+        self.fork_layer = None;
+        Ok(())
+    }
+
+    /// [`Vm::snapshot`]; `durable: false` skips the fsyncs (a fork's layer,
+    /// which lives no longer than this process, needs no crash safety).
+    pub(crate) fn snapshot_with(
+        &mut self,
+        dir: &Path,
+        kind: SnapshotKind,
+        durable: bool,
+    ) -> Result<(), PersistError> {
         if let Some(r) = self.exit.get() {
             return Err(PersistError::Exited(r));
         }
@@ -265,6 +288,7 @@ impl Vm {
             mem_bytes: self.ram.size,
         };
         let mut w = SnapshotWriter::new(dir, shape, self.kernel_identity()?)?;
+        w.set_fsync(durable);
         if kind == SnapshotKind::Diff {
             if let Some(p) = &self.parent {
                 w.set_parent(p)?;
@@ -285,12 +309,18 @@ impl Vm {
         match res {
             Ok(s) => {
                 self.parent = Some(s);
+                self.chain_depth = match kind {
+                    SnapshotKind::Full => 1,
+                    SnapshotKind::Diff => self.chain_depth + 1,
+                };
                 Ok(())
             }
             Err(e) => {
                 if dirty_taken {
                     // What changed since the parent is now unknown: no diff on it.
                     self.parent = None;
+                    self.fork_layer = None;
+                    self.chain_depth = 0;
                 }
                 Err(e)
             }
@@ -399,9 +429,31 @@ impl Vm {
         }
     }
 
+    /// Restores the VM saved in `dir` into a pre-built `shell` of the same
+    /// shape (see [`crate::ShellPool`]) and runs it: the KVM set-up, memory
+    /// slot registration and vCPU creation were paid ahead of time.
+    pub fn restore_in(
+        shell: VmShell,
+        dir: &Path,
+        opts: RestoreOptions,
+    ) -> Result<Vm, PersistError> {
+        let mut vm = Self::restore_impl(dir, opts, Some(shell))?;
+        vm.resume()?;
+        vm.after_restore();
+        Ok(vm)
+    }
+
     /// Restores the VM saved in `dir` with its vCPUs parked; [`Vm::resume`]
     /// then [`Vm::after_restore`] run it.
     pub fn restore_paused(dir: &Path, opts: RestoreOptions) -> Result<Vm, PersistError> {
+        Self::restore_impl(dir, opts, None)
+    }
+
+    pub(crate) fn restore_impl(
+        dir: &Path,
+        opts: RestoreOptions,
+        shell: Option<VmShell>,
+    ) -> Result<Vm, PersistError> {
         let t0 = std::time::Instant::now();
         let phase = |what: &str| log::debug!("restore: {what} at {:?}", t0.elapsed());
         let chain = Snapshot::load_chain(dir)?;
@@ -428,7 +480,22 @@ impl Vm {
                 st.vcpus.len()
             )));
         }
-        let (_kvm, caps, vm) = kvm_vm(st.spec.vcpus)?;
+        let (caps, vm, mut pre_vcpus, msrs, reservation) = match shell {
+            Some(s) => {
+                if s.vcpus != st.spec.vcpus || s.mem_bytes != mem_bytes {
+                    return Err(PersistError::Inconsistent(format!(
+                        "the shell is for {} vCPUs / {} bytes, the snapshot {} vCPUs / {} bytes",
+                        s.vcpus, s.mem_bytes, st.spec.vcpus, mem_bytes
+                    )));
+                }
+                (s.caps, s.vm, Some(s.vcpu_fds), s.msrs, Some(s.reservation))
+            }
+            None => {
+                let (kvm, caps, vm) = kvm_vm(st.spec.vcpus)?;
+                let msrs = state::msr_list(&kvm).map_err(VmError::from)?;
+                (caps, vm, None, msrs, None)
+            }
+        };
         if st.arch.pit.is_some() && !caps.pit2 {
             return Err(PersistError::Inconsistent(
                 "the snapshot has a PIT and this host's KVM has none".into(),
@@ -438,8 +505,17 @@ impl Vm {
         phase("KVM VM created");
         let stack = LayerStack::open(&chain)?;
         phase("layer stack open");
+        let registered = reservation.is_some();
         let backing = match opts.backend {
-            MemoryBackend::Mmap => Backing::Mmap(snapshot::mmap::map_private(&stack, mem_bytes)?),
+            MemoryBackend::Mmap => Backing::Mmap(match reservation {
+                Some(r) => snapshot::mmap::map_private_in(
+                    &stack,
+                    mem_bytes,
+                    snapshot::mmap::MapOptions::default(),
+                    r,
+                )?,
+                None => snapshot::mmap::map_private(&stack, mem_bytes)?,
+            }),
             MemoryBackend::Uffd => {
                 let ws = if opts.prefetch {
                     WorkingSet::load(top)?
@@ -451,21 +527,23 @@ impl Vm {
                 } else {
                     None
                 };
-                Backing::Uffd(UffdRestore::start(
-                    Arc::new(stack),
-                    mem_bytes,
-                    UffdOptions {
-                        prefetch: ws,
-                        record_working_set_for: record,
-                        populate_in_background: false,
-                    },
-                )?)
+                let uopts = UffdOptions {
+                    prefetch: ws,
+                    record_working_set_for: record,
+                    populate_in_background: false,
+                };
+                Backing::Uffd(match reservation {
+                    Some(r) => UffdRestore::start_in(Arc::new(stack), mem_bytes, uopts, r)?,
+                    None => UffdRestore::start(Arc::new(stack), mem_bytes, uopts)?,
+                })
             }
         };
         let ram = memory::from_backing(backing)?;
         phase("memory mapped");
-        memory::register(&vm, &ram.mem, true).map_err(VmError::from)?;
-        phase("memory registered with KVM");
+        if !registered {
+            memory::register(&vm, &ram.mem, true).map_err(VmError::from)?;
+            phase("memory registered with KVM");
+        }
         state::restore_vm(&vm, &st.arch).map_err(VmError::from)?;
 
         let exit = Arc::new(ExitSignal::default());
@@ -501,17 +579,24 @@ impl Vm {
         phase("devices restored");
         let mut fds = Vec::with_capacity(st.vcpus.len());
         for (i, s) in st.vcpus.iter().enumerate() {
-            let fd = vm
-                .create_vcpu(i as u64)
-                .map_err(|e| VmError::KvmOp("create a vCPU", e))?;
+            let fd = match pre_vcpus
+                .as_mut()
+                .and_then(|v| (!v.is_empty()).then(|| v.remove(0)))
+            {
+                Some(fd) => fd,
+                None => vm
+                    .create_vcpu(i as u64)
+                    .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
+            };
             state::restore_vcpu(&fd, i as u8, s).map_err(VmError::from)?;
             fds.push(fd);
         }
         phase("vCPUs restored");
         memory::reset_dirty(&vm, &ram.mem)?;
         let (event_loop, vcpus) = start_threads(at, fds, &exit)?;
-        let msrs = Arc::new(state::msr_list(&_kvm).map_err(VmError::from)?);
+        let msrs = Arc::new(msrs);
         phase("threads started");
+        let chain_depth = chain.len();
         let parent = chain.into_iter().last();
         Ok(Vm {
             vcpus,
@@ -523,6 +608,9 @@ impl Vm {
             has_pit: st.arch.pit.is_some(),
             msrs,
             parent,
+            fork_layer: None,
+            chain_depth,
+            instance_id: crate::fork::new_instance_id(),
             vm,
             ram,
             config: VmConfig::from_spec(spec, opts.serial),

@@ -84,6 +84,12 @@ pub struct Vm {
     pub(crate) msrs: Arc<Vec<u32>>,
     /// The snapshot this VM last took or was restored from: a diff builds on it.
     pub(crate) parent: Option<snapshot::format::Snapshot>,
+    /// Set when `parent` is a fork layer (not durable, removed when no VM needs it).
+    pub(crate) fork_layer: Option<Arc<crate::fork::ForkLayer>>,
+    /// Layers in `parent`'s chain (0 without a parent).
+    pub(crate) chain_depth: usize,
+    /// This VM's instance id: a fork's children each get a new one.
+    pub(crate) instance_id: u64,
     pub(crate) vm: VmFd,
     pub(crate) ram: GuestRam,
     pub(crate) config: VmConfig,
@@ -160,6 +166,9 @@ impl Vm {
             has_pit: caps.pit2,
             msrs: Arc::new(state::msr_list(&kvm)?),
             parent: None,
+            fork_layer: None,
+            chain_depth: 0,
+            instance_id: crate::fork::new_instance_id(),
             vm,
             ram,
             config,
@@ -232,6 +241,16 @@ impl Vm {
 
     pub fn entry_kind(&self) -> EntryKind {
         self.entry
+    }
+
+    /// This VM's instance id (unique in this process; each fork child gets its own).
+    pub fn instance_id(&self) -> u64 {
+        self.instance_id
+    }
+
+    /// Where this VM's vsock device listens, if it has one.
+    pub fn vsock_uds(&self) -> Option<&std::path::Path> {
+        self.config.vsock.as_ref().map(|v| v.uds_path.as_path())
     }
 }
 

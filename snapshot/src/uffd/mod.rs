@@ -120,6 +120,26 @@ impl UffdRestore {
         mem_bytes: u64,
         opts: UffdOptions,
     ) -> Result<UffdRestore, UffdError> {
+        Self::start_impl(stack, mem_bytes, opts, None)
+    }
+
+    /// [`UffdRestore::start`] into `at` (length `mem_bytes`), which becomes
+    /// guest RAM at the address the caller registered with KVM.
+    pub fn start_in(
+        stack: Arc<LayerStack>,
+        mem_bytes: u64,
+        opts: UffdOptions,
+        at: crate::Reservation,
+    ) -> Result<UffdRestore, UffdError> {
+        Self::start_impl(stack, mem_bytes, opts, Some(at))
+    }
+
+    fn start_impl(
+        stack: Arc<LayerStack>,
+        mem_bytes: u64,
+        opts: UffdOptions,
+        at: Option<crate::Reservation>,
+    ) -> Result<UffdRestore, UffdError> {
         if mem_bytes != stack.mem_bytes() {
             return Err(UffdError::Size {
                 asked: mem_bytes,
@@ -135,7 +155,17 @@ impl UffdRestore {
             }
         }
         let len = mem_bytes as usize;
-        let map = AnonMap::new(len).map_err(UffdError::Map)?;
+        let map = match at {
+            Some(r) if r.len() != len => {
+                return Err(UffdError::Size {
+                    asked: r.len() as u64,
+                    actual: mem_bytes,
+                })
+            }
+            Some(r) => AnonMap::new_in(r),
+            None => AnonMap::new(len),
+        }
+        .map_err(UffdError::Map)?;
         let uffd = Arc::new(Uffd::open().map_err(UffdError::Open)?);
         uffd.register_missing(map.addr(), map.len())
             .map_err(UffdError::Register)?;

@@ -266,6 +266,31 @@ impl AnonMap {
         Ok(AnonMap { ptr, len })
     }
 
+    /// Anonymous memory in place of `at` (MAP_FIXED over the reservation, so
+    /// the address stays the one the caller registered with KVM).
+    pub(super) fn new_in(at: crate::Reservation) -> io::Result<AnonMap> {
+        let (ptr, len) = at.into_raw();
+        // SAFETY: the reservation's range is ours alone (it was handed over);
+        // replacing it in place affects no other memory; the result is checked.
+        let p = unsafe {
+            libc::mmap(
+                ptr.as_ptr().cast(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED || p.cast() != ptr.as_ptr() {
+            let e = io::Error::last_os_error();
+            // SAFETY: as above, the range is ours; drop whatever is there.
+            unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+            return Err(e);
+        }
+        Ok(AnonMap { ptr, len })
+    }
+
     pub(super) fn addr(&self) -> usize {
         self.ptr.as_ptr() as usize
     }

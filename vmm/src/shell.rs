@@ -1,0 +1,121 @@
+//! Everything about a VM that does not depend on what runs in it, made ahead
+//! of time: the KVM VM with its irqchip and PIT, its vCPUs, and guest memory
+//! slots registered over a reserved (still empty) range of host memory.
+//!
+//! Registering a memory slot is the slowest step of building a VM on this
+//! host's KVM (about 5–6 ms, whatever the size); a restore or fork into a
+//! shell maps the snapshot over the reserved range instead, and KVM follows
+//! the new mapping. A [`ShellPool`] keeps shells of one shape ready.
+
+use std::sync::Mutex;
+
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use snapshot::Reservation;
+
+use crate::arch::state;
+use crate::kvm::HostCaps;
+use crate::layout;
+use crate::memory;
+use crate::vm::{kvm_vm, VmError};
+
+/// A pre-built VM of a given shape, waiting for a snapshot to run.
+pub struct VmShell {
+    pub(crate) _kvm: Kvm,
+    pub(crate) caps: HostCaps,
+    pub(crate) vcpu_fds: Vec<VcpuFd>,
+    pub(crate) msrs: Vec<u32>,
+    pub(crate) vm: VmFd,
+    pub(crate) reservation: Reservation,
+    pub(crate) vcpus: u8,
+    pub(crate) mem_bytes: u64,
+}
+
+impl VmShell {
+    /// Builds a shell for `vcpus` vCPUs and `mem_mib` MiB of RAM.
+    pub fn new(vcpus: u8, mem_mib: u64) -> Result<VmShell, VmError> {
+        if vcpus == 0 || vcpus > layout::MAX_VCPUS {
+            return Err(crate::config::ConfigError::Vcpus(vcpus).into());
+        }
+        if !(layout::MIN_MEM_MIB..=layout::MAX_MEM_MIB).contains(&mem_mib) {
+            return Err(crate::config::ConfigError::Memory(mem_mib).into());
+        }
+        let mem_bytes = mem_mib << 20;
+        let (kvm, caps, vm) = kvm_vm(vcpus)?;
+        let reservation = Reservation::new(mem_bytes as usize)
+            .map_err(|e| VmError::Memory(memory::MemoryError::Memfd(e)))?;
+        memory::register_range(&vm, reservation.as_ptr(), mem_bytes, true)?;
+        let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
+        for i in 0..vcpus {
+            vcpu_fds.push(
+                vm.create_vcpu(u64::from(i))
+                    .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
+            );
+        }
+        let msrs = state::msr_list(&kvm)?;
+        Ok(VmShell {
+            _kvm: kvm,
+            caps,
+            vcpu_fds,
+            msrs,
+            vm,
+            reservation,
+            vcpus,
+            mem_bytes,
+        })
+    }
+
+    pub fn vcpus(&self) -> u8 {
+        self.vcpus
+    }
+
+    pub fn mem_bytes(&self) -> u64 {
+        self.mem_bytes
+    }
+}
+
+/// Shells of one shape, made ahead of time.
+pub struct ShellPool {
+    vcpus: u8,
+    mem_mib: u64,
+    ready: Mutex<Vec<VmShell>>,
+}
+
+impl ShellPool {
+    /// An empty pool for shells of this shape; [`ShellPool::fill`] adds some.
+    pub fn new(vcpus: u8, mem_mib: u64) -> Self {
+        Self {
+            vcpus,
+            mem_mib,
+            ready: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Builds shells until `n` are ready.
+    pub fn fill(&self, n: usize) -> Result<(), VmError> {
+        while self.len() < n {
+            let s = VmShell::new(self.vcpus, self.mem_mib)?;
+            devices::bus::lock(&self.ready).push(s);
+        }
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        devices::bus::lock(&self.ready).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A ready shell, or a new one if none is left.
+    pub fn take(&self) -> Result<VmShell, VmError> {
+        match devices::bus::lock(&self.ready).pop() {
+            Some(s) => Ok(s),
+            None => VmShell::new(self.vcpus, self.mem_mib),
+        }
+    }
+
+    pub fn shape(&self) -> (u8, u64) {
+        (self.vcpus, self.mem_mib)
+    }
+}
