@@ -295,6 +295,7 @@ impl Vm {
             }
         }
         let was_paused = self.is_paused();
+        let paused_at = std::time::Instant::now();
         self.pause()?;
         let mut dirty_taken = false;
         let res = self
@@ -306,6 +307,7 @@ impl Vm {
         if !was_paused {
             self.resume()?;
         }
+        self.last_pause = paused_at.elapsed();
         match res {
             Ok(s) => {
                 self.parent = Some(s);
@@ -611,6 +613,7 @@ impl Vm {
             fork_layer: None,
             chain_depth,
             instance_id: crate::fork::new_instance_id(),
+            last_pause: Duration::ZERO,
             vm,
             ram,
             config: VmConfig::from_spec(spec, opts.serial),

@@ -90,6 +90,8 @@ pub struct Vm {
     pub(crate) chain_depth: usize,
     /// This VM's instance id: a fork's children each get a new one.
     pub(crate) instance_id: u64,
+    /// How long the last snapshot (or fork) kept the vCPUs paused.
+    pub(crate) last_pause: Duration,
     pub(crate) vm: VmFd,
     pub(crate) ram: GuestRam,
     pub(crate) config: VmConfig,
@@ -169,6 +171,7 @@ impl Vm {
             fork_layer: None,
             chain_depth: 0,
             instance_id: crate::fork::new_instance_id(),
+            last_pause: Duration::ZERO,
             vm,
             ram,
             config,
@@ -241,6 +244,11 @@ impl Vm {
 
     pub fn entry_kind(&self) -> EntryKind {
         self.entry
+    }
+
+    /// How long the last snapshot or fork kept this VM's vCPUs paused.
+    pub fn last_pause(&self) -> Duration {
+        self.last_pause
     }
 
     /// This VM's instance id (unique in this process; each fork child gets its own).

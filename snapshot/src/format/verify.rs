@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::digest::scan_file;
+use super::digest::{scan_file, Checksum};
 use super::manifest::{self, FileEntry, Manifest, MemoryLayerEntry, MemoryLayerKind};
 use super::{
     digest_bytes, valid_file_name, Snapshot, SnapshotError, MANIFEST_FILE, MAX_CHAIN_DEPTH,
@@ -149,13 +149,65 @@ fn check_size(path: &Path, actual: u64, expected: u64) -> Result<(), SnapshotErr
     Ok(())
 }
 
+/// A file version: device, inode, size, mtime and ctime (ns). Any write to
+/// the file changes its ctime, which user space cannot set back.
+type FileVersion = (u64, u64, u64, i64, i64, i64, i64);
+
+fn file_version(file: &File) -> Option<FileVersion> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata().ok()?;
+    Some((
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec(),
+    ))
+}
+
+/// File versions this process has verified in full against a checksum: a
+/// restore of the same unchanged snapshot does not hash its data again.
+fn verified() -> &'static std::sync::Mutex<std::collections::HashMap<FileVersion, Checksum>> {
+    static CACHE: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<FileVersion, Checksum>>,
+    > = std::sync::OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Bound on remembered verifications (old entries are forgotten wholesale).
+const MAX_VERIFIED: usize = 4096;
+
+fn verified_before(file: &File, checksum: Checksum) -> bool {
+    let Some(v) = file_version(file) else {
+        return false;
+    };
+    let cache = verified().lock().unwrap_or_else(|p| p.into_inner());
+    cache.get(&v) == Some(&checksum)
+}
+
+fn remember_verified(file: &File, checksum: Checksum) {
+    if let Some(v) = file_version(file) {
+        let mut cache = verified().lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= MAX_VERIFIED {
+            cache.clear();
+        }
+        cache.insert(v, checksum);
+    }
+}
+
 fn verify_file(dir: &Path, entry: &FileEntry) -> Result<(), SnapshotError> {
     let (file, path) = open_sized(dir, entry)?;
+    if verified_before(&file, entry.checksum) {
+        return Ok(());
+    }
     let scan =
         scan_file(&file, entry.size, |_| true).map_err(|e| SnapshotError::io("read", &path, e))?;
     if scan.checksum != entry.checksum {
         return Err(SnapshotError::ChecksumMismatch { path });
     }
+    remember_verified(&file, entry.checksum);
     Ok(())
 }
 
@@ -230,6 +282,9 @@ fn verify_memory_layer(
             ),
         });
     }
+    if verified_before(&file, layer.data.checksum) {
+        return Ok(());
+    }
     let scan = scan_file(&file, mem_bytes, |pfn| map.has_data(pfn))
         .map_err(|e| SnapshotError::io("read", &path, e))?;
     if scan.checksum != layer.data.checksum {
@@ -241,6 +296,7 @@ fn verify_memory_layer(
             reason: "its data pages do not match its page map".into(),
         });
     }
+    remember_verified(&file, layer.data.checksum);
     Ok(())
 }
 
@@ -381,5 +437,28 @@ mod tests {
         });
         let e = Snapshot::load(s.dir()).unwrap_err();
         assert!(e.to_string().contains("memBytes"), "{e}");
+    }
+
+    #[test]
+    fn a_file_changed_in_place_after_a_good_load_is_verified_again() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
+        crate::testutil::fill(&mut ram, 3, 7);
+        let s = crate::testutil::full(dir.path(), "s", &ram);
+        let d = s.dir().to_path_buf();
+        let layer = s.manifest().memory_layers[0].data.name.clone();
+        assert!(Snapshot::load(&d).is_ok());
+        assert!(Snapshot::load(&d).is_ok(), "loads again (from the cache)");
+        // Same size, one byte changed in place: a new ctime, so it is hashed again.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(&layer))
+            .unwrap();
+        f.write_all_at(&[0x5a], 3 * crate::PAGE_SIZE as u64 + 9)
+            .unwrap();
+        drop(f);
+        let e = Snapshot::load(&d).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
     }
 }

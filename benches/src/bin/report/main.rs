@@ -1,7 +1,7 @@
 //! The end-to-end latency report: runs each measured path many times and
 //! prints p50/p99 (and min/max) as a Markdown table for docs/benchmarks.md.
 //!
-//! `cargo run --release -p sprout-benches --bin report -- [vm|snapshot|all] [RUNS]`
+//! `cargo run --release -p sprout-benches --bin report -- [vm|snapshot|fork|all] [RUNS]`
 //! (default: all, 200 runs for the VM core, 30 for snapshots).
 
 use std::time::{Duration, Instant};
@@ -45,9 +45,13 @@ fn main() -> anyhow::Result<()> {
     if what == "snapshot" || what == "all" {
         snapshots::run(runs.unwrap_or(30))?;
     }
+    if what == "fork" || what == "all" {
+        fork::run(runs.unwrap_or(30))?;
+    }
     Ok(())
 }
 
+mod fork;
 mod snapshots;
 
 fn vm_core(runs: usize) -> anyhow::Result<()> {

@@ -11,7 +11,7 @@ use super::row;
 
 const T: Duration = Duration::from_secs(30);
 
-fn boot() -> anyhow::Result<Vm> {
+pub fn boot() -> anyhow::Result<Vm> {
     let mut c = VmConfig::new(testguest_build::TESTGUEST_PATH);
     c.mem_mib = 512;
     c.serial = SerialOutput::Buffer(ConsoleBuffer::new(4096));
@@ -22,7 +22,7 @@ fn boot() -> anyhow::Result<Vm> {
     Ok(vm)
 }
 
-fn echo(vm: &Vm, cmd: u32, args: [u64; 4]) -> anyhow::Result<()> {
+pub fn echo(vm: &Vm, cmd: u32, args: [u64; 4]) -> anyhow::Result<()> {
     let r = vm.mailbox().expect("mailbox").call(0, cmd, args, T)?;
     anyhow::ensure!(r.is_ok(), "command {cmd} failed: {r:?}");
     Ok(())
@@ -35,14 +35,14 @@ fn drop_caches() {
     }
 }
 
-struct Dir(PathBuf);
+pub struct Dir(pub PathBuf);
 impl Drop for Dir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
-fn scratch() -> anyhow::Result<Dir> {
+pub fn scratch() -> anyhow::Result<Dir> {
     let d = std::env::temp_dir().join(format!("sprout-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d)?;
@@ -110,6 +110,23 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
         echo(&r, mb::CMD_ECHO, [1, 0, 0, 0])?;
         std::thread::sleep(Duration::from_millis(350));
         anyhow::ensure!(r.save_working_set()?, "no working set recorded");
+    }
+
+    let pool = vmm::ShellPool::new(1, 512);
+    for (name, backend) in [("mmap", MemoryBackend::Mmap), ("uffd", MemoryBackend::Uffd)] {
+        let mut answered = Vec::new();
+        for _ in 0..runs {
+            pool.fill(1)?; // ahead of time, not measured
+            let t = Instant::now();
+            let r = Vm::restore_in(pool.take()?, &snap, restore_opts(backend, false, &dir.0))?;
+            echo(&r, mb::CMD_ECHO, [7, 0, 0, 0])?;
+            answered.push(t.elapsed());
+            drop(r);
+        }
+        row(
+            &format!("restore into a pre-built shell to first answer, {name}, page cache warm"),
+            answered,
+        );
     }
 
     for (name, backend, prefetch) in [
