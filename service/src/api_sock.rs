@@ -6,6 +6,8 @@
 //! pause | resume             -> ok
 //! stop                       -> ok          (the VM ends; `sprout` exits 0)
 //! snapshot DIR [full|diff]   -> ok DIR      (DIR must not exist; default full)
+//! fork N                     -> ok SOCK...  (N children, each with its own control
+//!                                           socket beside this one; 1 <= N <= 64)
 //! mailbox CPU CMD A0 A1 A2 A3 -> ok STATUS R0 R1 R2 R3   (test guest only)
 //! ```
 //!
@@ -20,10 +22,20 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use vmm::vcpu::ExitSignal;
-use vmm::{ExitReason, SnapshotKind, Vm};
+use vmm::{ExitReason, ForkOptions, SnapshotKind, Vm};
 
 pub const MAX_LINE: usize = 256;
 const MAILBOX_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Most children one `fork` command makes.
+pub const MAX_FORK: usize = 64;
+
+/// VMs forked through control sockets, kept (with their own sockets) until
+/// they stop or the process ends.
+#[derive(Default)]
+pub struct Children {
+    live: Mutex<Vec<ApiSocket>>,
+}
 
 /// The listening socket; removed on drop.
 pub struct ApiSocket {
@@ -36,6 +48,11 @@ impl ApiSocket {
     /// Binds `path` (refusing one in use; a stale socket file is replaced) and
     /// serves it on a thread until the VM exits.
     pub fn serve(path: &Path, vm: Arc<Mutex<Vm>>) -> Result<Self> {
+        Self::serve_with(path, vm, Arc::new(Children::default()))
+    }
+
+    /// [`ApiSocket::serve`], with children forked through it kept in `children`.
+    pub fn serve_with(path: &Path, vm: Arc<Mutex<Vm>>, children: Arc<Children>) -> Result<Self> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
                 bail!("API socket {} is in use by another process", path.display());
@@ -50,7 +67,7 @@ impl ApiSocket {
         let exit2 = exit.clone();
         let thread = std::thread::Builder::new()
             .name("sprout-api".into())
-            .spawn(move || accept_loop(listener, vm, exit2))?;
+            .spawn(move || accept_loop(listener, vm, exit2, children))?;
         Ok(Self {
             path: path.to_owned(),
             thread: Some(thread),
@@ -73,11 +90,25 @@ fn lock(vm: &Mutex<Vm>) -> std::sync::MutexGuard<'_, Vm> {
     vm.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn accept_loop(listener: UnixListener, vm: Arc<Mutex<Vm>>, exit: Arc<ExitSignal>) {
+fn accept_loop(
+    listener: UnixListener,
+    vm: Arc<Mutex<Vm>>,
+    exit: Arc<ExitSignal>,
+    children: Arc<Children>,
+) {
+    let ctx = Ctx {
+        vm: &vm,
+        children: &children,
+        path: listener
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_pathname().map(Path::to_path_buf))
+            .unwrap_or_default(),
+    };
     while exit.get().is_none() {
         match listener.accept() {
             Ok((s, _)) => {
-                if let Err(e) = serve_conn(s, &vm) {
+                if let Err(e) = serve_conn(s, &ctx) {
                     log::debug!("api socket: {e:#}");
                 }
             }
@@ -92,7 +123,13 @@ fn accept_loop(listener: UnixListener, vm: Arc<Mutex<Vm>>, exit: Arc<ExitSignal>
     }
 }
 
-fn serve_conn(s: UnixStream, vm: &Mutex<Vm>) -> Result<()> {
+struct Ctx<'a> {
+    vm: &'a Arc<Mutex<Vm>>,
+    children: &'a Arc<Children>,
+    path: PathBuf,
+}
+
+fn serve_conn(s: UnixStream, ctx: &Ctx<'_>) -> Result<()> {
     s.set_nonblocking(false)?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
     let mut w = s.try_clone()?;
@@ -113,7 +150,7 @@ fn serve_conn(s: UnixStream, vm: &Mutex<Vm>) -> Result<()> {
             format!("error line longer than {MAX_LINE} bytes")
         } else {
             match std::str::from_utf8(&line) {
-                Ok(text) => answer(text.trim(), vm),
+                Ok(text) => answer(text.trim(), ctx),
                 Err(_) => "error command is not UTF-8".into(),
             }
         };
@@ -122,15 +159,16 @@ fn serve_conn(s: UnixStream, vm: &Mutex<Vm>) -> Result<()> {
     }
 }
 
-fn answer(line: &str, vm: &Mutex<Vm>) -> String {
-    match run_command(line, vm) {
+fn answer(line: &str, ctx: &Ctx<'_>) -> String {
+    match run_command(line, ctx) {
         Ok(s) if s.is_empty() => "ok".into(),
         Ok(s) => format!("ok {s}"),
         Err(e) => format!("error {}", format!("{e:#}").replace('\n', " ")),
     }
 }
 
-fn run_command(line: &str, vm: &Mutex<Vm>) -> Result<String> {
+fn run_command(line: &str, ctx: &Ctx<'_>) -> Result<String> {
+    let vm: &Mutex<Vm> = ctx.vm;
     let mut words = line.split_ascii_whitespace();
     let cmd = words.next().unwrap_or("");
     let args: Vec<&str> = words.collect();
@@ -199,9 +237,45 @@ fn run_command(line: &str, vm: &Mutex<Vm>) -> Result<String> {
             lock(vm).snapshot(Path::new(dir), kind)?;
             Ok((*dir).to_string())
         }
+        "fork" => {
+            let n: usize = match args.as_slice() {
+                [n] => n.parse().with_context(|| format!("{n:?} is not a count"))?,
+                _ => bail!("usage: fork N"),
+            };
+            if !(1..=MAX_FORK).contains(&n) {
+                bail!("fork count {n} is out of range: use 1 to {MAX_FORK}");
+            }
+            let dir = ctx
+                .path
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(std::env::temp_dir);
+            let kids = lock(vm).fork(n, &ForkOptions::new(&dir), None)?;
+            let mut socks = Vec::with_capacity(n);
+            let mut live = ctx.children.live.lock().unwrap_or_else(|p| p.into_inner());
+            // Forget children that have stopped.
+            live.retain(|c| c.exit.get().is_none());
+            for kid in kids {
+                let sock = dir.join(format!(
+                    "{}-{}.sock",
+                    ctx.path
+                        .file_stem()
+                        .and_then(|s| s.to_str())
+                        .unwrap_or("vm"),
+                    kid.instance_id()
+                ));
+                let api =
+                    ApiSocket::serve_with(&sock, Arc::new(Mutex::new(kid)), ctx.children.clone())?;
+                socks.push(sock.display().to_string());
+                live.push(api);
+            }
+            Ok(socks.join(" "))
+        }
         "" => bail!("empty command"),
         other => {
-            bail!("unknown command {other:?} (status, pause, resume, stop, snapshot, mailbox)")
+            bail!(
+                "unknown command {other:?} (status, pause, resume, stop, snapshot, fork, mailbox)"
+            )
         }
     }
 }

@@ -338,3 +338,59 @@ fn a_vmm_killed_mid_snapshot_never_leaves_a_snapshot_that_looks_whole() {
     eprintln!("20 kills: {absent} snapshots absent, {whole} complete");
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+#[test]
+fn fork_through_the_cli_prints_working_child_sockets() {
+    let tmp = std::env::temp_dir().join(format!("sprout-cli-{}-fork", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let sock = tmp.join("p.sock");
+    let mut parent = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_sprout"))
+            .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
+            .arg(&sock)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !sock.exists() {
+        assert!(std::time::Instant::now() < deadline, "no API socket");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // CMD_COUNT by 9 in the parent, then fork 3.
+    assert!(ctl(&sock, &["mailbox", "0", "4", "9", "0", "0", "0"]).0);
+    let out = sprout(&[
+        "vm",
+        "fork",
+        "--api-sock",
+        sock.to_str().unwrap(),
+        "--count",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let socks: Vec<std::path::PathBuf> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(Into::into)
+        .collect();
+    assert_eq!(socks.len(), 3);
+    for (i, s) in socks.iter().enumerate() {
+        // Each child continues from the parent's counter on its own.
+        let (ok, line, err) = ctl(
+            s,
+            &["mailbox", "0", "4", &(i + 1).to_string(), "0", "0", "0"],
+        );
+        assert!(ok, "{err}");
+        assert!(line.starts_with(&format!("0 {:#x} ", 9 + i + 1)), "{line}");
+    }
+    let (ok, _, err) = ctl(&sock, &["fork", "0"]);
+    assert!(!ok && err.contains("out of range"), "{err}");
+    assert!(ctl(&socks[0], &["stop"]).0);
+    assert!(ctl(&sock, &["stop"]).0);
+    assert!(parent.0.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&tmp);
+}

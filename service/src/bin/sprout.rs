@@ -8,6 +8,7 @@
 //! sprout vm pause|resume --api-sock PATH
 //! sprout vm snapshot --api-sock PATH [--diff] --out DIR
 //! sprout vm restore DIR [--memory-backend mmap|uffd] [--vsock-uds PATH] [--api-sock PATH]
+//! sprout vm fork --api-sock PATH [--count N]
 //! ```
 
 use std::io::{BufRead, BufReader, Write};
@@ -50,6 +51,17 @@ enum VmCmd {
     Snapshot(SnapshotArgs),
     /// Restore a VM from a snapshot directory and run it like `vm run`.
     Restore(RestoreArgs),
+    /// Fork a running VM into N children; prints each child's control socket.
+    Fork(ForkArgs),
+}
+
+#[derive(Args)]
+struct ForkArgs {
+    #[arg(long)]
+    api_sock: PathBuf,
+    /// How many children (1-64).
+    #[arg(long, default_value_t = 1)]
+    count: usize,
 }
 
 #[derive(Args)]
@@ -205,26 +217,30 @@ fn restore(a: RestoreArgs) -> Result<bool> {
 }
 
 fn send(sock: &std::path::Path, line: &str) -> Result<bool> {
-    ctl(CtlArgs {
-        api_sock: sock.to_owned(),
-        command: vec![line.to_owned()],
-    })
+    let out = request(sock, line)?;
+    if !out.is_empty() {
+        println!("{out}");
+    }
+    Ok(true)
+}
+
+/// Sends one command line to a control socket; the answer's payload, or its error.
+fn request(sock: &std::path::Path, line: &str) -> Result<String> {
+    let mut s = UnixStream::connect(sock)
+        .with_context(|| format!("Cannot connect to {}", sock.display()))?;
+    writeln!(s, "{line}")?;
+    let mut answer = String::new();
+    BufReader::new(s).read_line(&mut answer)?;
+    let answer = answer.trim_end();
+    match answer.strip_prefix("ok") {
+        Some(rest) => Ok(rest.trim_start().to_string()),
+        None => bail!("{}", answer.strip_prefix("error ").unwrap_or(answer)),
+    }
 }
 
 fn ctl(a: CtlArgs) -> Result<bool> {
-    let mut s = UnixStream::connect(&a.api_sock)
-        .with_context(|| format!("Cannot connect to {}", a.api_sock.display()))?;
-    writeln!(s, "{}", a.command.join(" "))?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
-    let line = line.trim_end();
-    match line.strip_prefix("ok") {
-        Some(rest) => {
-            println!("{}", rest.trim_start());
-            Ok(true)
-        }
-        None => bail!("{}", line.strip_prefix("error ").unwrap_or(line)),
-    }
+    println!("{}", request(&a.api_sock, &a.command.join(" "))?);
+    Ok(true)
 }
 
 fn main() -> ExitCode {
@@ -249,6 +265,14 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Vm(VmCmd::Restore(a)) => restore(a),
+        Cmd::Vm(VmCmd::Fork(a)) => {
+            request(&a.api_sock, &format!("fork {}", a.count)).map(|socks| {
+                for sock in socks.split(' ') {
+                    println!("{sock}");
+                }
+                true
+            })
+        }
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,
