@@ -19,7 +19,7 @@ unsafe impl Sync for Reservation {}
 
 impl Reservation {
     pub fn new(len: usize) -> io::Result<Reservation> {
-        if len == 0 || len % crate::PAGE_SIZE != 0 {
+        if len == 0 || !len.is_multiple_of(crate::PAGE_SIZE) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("reservation of {len} bytes is not a whole number of pages"),
