@@ -247,22 +247,7 @@ pub(super) struct AnonMap {
 
 impl AnonMap {
     pub(super) fn new(len: usize) -> io::Result<AnonMap> {
-        // SAFETY: a fresh anonymous mapping placed by the kernel (no
-        // MAP_FIXED), overlapping nothing; the result is checked.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let ptr = NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        let (ptr, len) = crate::Reservation::new(len)?.into_raw();
         Ok(AnonMap { ptr, len })
     }
 
