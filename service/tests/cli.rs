@@ -115,19 +115,7 @@ fn ctl(sock: &std::path::Path, words: &[&str]) -> (bool, String, String) {
 #[test]
 fn control_socket_drives_a_running_vm() {
     let sock = std::env::temp_dir().join(format!("sprout-cli-{}-api.sock", std::process::id()));
-    let mut child = Reaped(
-        Command::new(env!("CARGO_BIN_EXE_sprout"))
-            .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
-            .arg(&sock)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !sock.exists() {
-        assert!(std::time::Instant::now() < deadline, "no API socket");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let mut child = start_vm(&["vm", "run", "--kernel", "testguest"], &sock);
     assert_eq!(ctl(&sock, &["status"]).1, "running");
     // CMD_ECHO (1) of 0x2a on vCPU 0: status 0, rets[0] = 0x2a.
     let (ok, out, err) = ctl(&sock, &["mailbox", "0", "1", "0x2a", "0", "0", "0"]);
@@ -153,31 +141,7 @@ fn snapshot_and_restore_through_the_cli() {
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).unwrap();
     let sock = tmp.join("api.sock");
-    let spawn = |args: &[&str]| {
-        Reaped(
-            Command::new(env!("CARGO_BIN_EXE_sprout"))
-                .args(args)
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap(),
-        )
-    };
-    let wait_sock = |p: &std::path::Path| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !p.exists() {
-            assert!(std::time::Instant::now() < deadline, "no API socket");
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
-    };
-    let mut child = spawn(&[
-        "vm",
-        "run",
-        "--kernel",
-        "testguest",
-        "--api-sock",
-        sock.to_str().unwrap(),
-    ]);
-    wait_sock(&sock);
+    let mut child = start_vm(&["vm", "run", "--kernel", "testguest"], &sock);
     // CMD_COUNT (4) by 41 on vCPU 0.
     assert!(ctl(&sock, &["mailbox", "0", "4", "41", "0", "0", "0"]).0);
     let out = tmp.join("snap");
@@ -222,16 +186,16 @@ fn snapshot_and_restore_through_the_cli() {
         (&diff, "0x2b", "uffd"),
     ] {
         let sock2 = tmp.join(format!("{backend}-{count}.sock"));
-        let mut r = spawn(&[
-            "vm",
-            "restore",
-            snapdir.to_str().unwrap(),
-            "--memory-backend",
-            backend,
-            "--api-sock",
-            sock2.to_str().unwrap(),
-        ]);
-        wait_sock(&sock2);
+        let mut r = start_vm(
+            &[
+                "vm",
+                "restore",
+                snapdir.to_str().unwrap(),
+                "--memory-backend",
+                backend,
+            ],
+            &sock2,
+        );
         let (ok, line, err) = ctl(&sock2, &["mailbox", "0", "4", "1", "0", "0", "0"]);
         assert!(ok, "{backend}: {err}");
         assert!(
@@ -244,6 +208,26 @@ fn snapshot_and_restore_through_the_cli() {
     let bad = sprout(&["vm", "restore", tmp.join("nope").to_str().unwrap()]);
     assert!(!bad.status.success());
     let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// Starts `sprout` with `args` and waits until its control socket `sock` exists.
+fn start_vm(args: &[&str], sock: &std::path::Path) -> Reaped {
+    let child = Reaped(
+        Command::new(env!("CARGO_BIN_EXE_sprout"))
+            .args(args)
+            .arg("--api-sock")
+            .arg(sock)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !sock.exists() {
+        assert!(std::time::Instant::now() < deadline, "no API socket");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child
 }
 
 /// A child process that is killed if the test fails before waiting for it.
@@ -266,28 +250,10 @@ fn a_vmm_killed_mid_snapshot_never_leaves_a_snapshot_that_looks_whole() {
     let (mut absent, mut whole) = (0, 0);
     for i in 0..20u64 {
         let sock = tmp.join(format!("k{i}.sock"));
-        let mut vm = Reaped(
-            Command::new(env!("CARGO_BIN_EXE_sprout"))
-                .args([
-                    "vm",
-                    "run",
-                    "--kernel",
-                    "testguest",
-                    "--memory-mib",
-                    "512",
-                    "--api-sock",
-                ])
-                .arg(&sock)
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .spawn()
-                .unwrap(),
+        let mut vm = start_vm(
+            &["vm", "run", "--kernel", "testguest", "--memory-mib", "512"],
+            &sock,
         );
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !sock.exists() {
-            assert!(std::time::Instant::now() < deadline, "no API socket");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
         // 32 MiB of guest RAM written, so the snapshot takes a while.
         assert!(
             ctl(
@@ -345,19 +311,7 @@ fn fork_through_the_cli_prints_working_child_sockets() {
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).unwrap();
     let sock = tmp.join("p.sock");
-    let mut parent = Reaped(
-        Command::new(env!("CARGO_BIN_EXE_sprout"))
-            .args(["vm", "run", "--kernel", "testguest", "--api-sock"])
-            .arg(&sock)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !sock.exists() {
-        assert!(std::time::Instant::now() < deadline, "no API socket");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let mut parent = start_vm(&["vm", "run", "--kernel", "testguest"], &sock);
     // CMD_COUNT by 9 in the parent, then fork 3.
     assert!(ctl(&sock, &["mailbox", "0", "4", "9", "0", "0", "0"]).0);
     let out = sprout(&[

@@ -71,6 +71,19 @@ pub fn call(vm: &Vm, cpu: u8, cmd: u32, args: [u64; 4]) -> Reply {
     r
 }
 
+/// Connects to a VM's vsock host socket and asks for guest `port` (the
+/// `CONNECT <port>` handshake); panics unless the guest accepts.
+pub fn host_connect(uds: &Path, port: u32) -> std::os::unix::net::UnixStream {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(uds).expect("connect to the vsock socket");
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
+    let mut line = String::new();
+    BufReader::new(&mut s).read_line(&mut line).unwrap();
+    assert!(line.starts_with("OK "), "handshake answer {line:?}");
+    s
+}
+
 /// A unique scratch directory under the system temp dir, removed on drop.
 pub struct TempDir(PathBuf);
 

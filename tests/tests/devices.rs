@@ -2,7 +2,7 @@
 //! and virtio-rng through virtio-mmio under real KVM; the host checks files,
 //! sockets and guest memory.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
 use guest_abi::mailbox as mb;
-use sprout_tests::{boot, call, config, TempDir, TIMEOUT};
+use sprout_tests::{boot, call, config, host_connect, TempDir, TIMEOUT};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::{DiskConfig, VsockConfig};
 
@@ -162,16 +162,6 @@ fn vsock_guest_connects_to_a_host_listener() {
         .call(0, mb::CMD_VSOCK_SEND, [5001, gpa, 4, 0], TIMEOUT)
         .unwrap();
     assert_eq!(r.status, mb::STATUS_REFUSED);
-}
-
-fn host_connect(uds: &Path, port: u32) -> UnixStream {
-    let mut s = UnixStream::connect(uds).unwrap();
-    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
-    let mut line = String::new();
-    BufReader::new(&mut s).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "handshake answer {line:?}");
-    s
 }
 
 #[test]

@@ -1,14 +1,13 @@
 //! Snapshot and restore of the test guest under real KVM, with both memory
 //! backends: RAM, vCPU and device state continue where they were.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
 use guest_abi::mailbox::{self as mb, checksum_step, pattern_word};
-use sprout_tests::{boot, call, config, TempDir, TIMEOUT};
+use sprout_tests::{boot, call, config, host_connect, TempDir};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::{DiskConfig, MemoryBackend, RestoreOptions, SnapshotKind, Vm, VsockConfig};
 
@@ -131,16 +130,6 @@ fn a_diff_on_a_full_restores_the_later_state() {
         let f = Vm::restore(&full, opts(backend, &dir, "f")).unwrap();
         assert_eq!(f.mailbox().unwrap().counter(0).unwrap(), 0);
     }
-}
-
-fn host_connect(uds: &Path, port: u32) -> UnixStream {
-    let mut s = UnixStream::connect(uds).unwrap();
-    s.set_read_timeout(Some(TIMEOUT)).unwrap();
-    s.write_all(format!("CONNECT {port}\n").as_bytes()).unwrap();
-    let mut line = String::new();
-    BufReader::new(&mut s).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "handshake answer {line:?}");
-    s
 }
 
 #[test]
