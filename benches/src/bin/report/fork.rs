@@ -70,6 +70,26 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
             }
         }
     }
+    // The parent's pause when 16 MiB changed since its last layer: a diff
+    // snapshot of 16 MiB without fsyncs.
+    let mut pause16 = Vec::new();
+    let opts = ForkOptions::new(&dir.0);
+    for i in 0..runs {
+        echo(
+            &parent,
+            mb::CMD_FILL,
+            [TESTGUEST_SCRATCH + (64 << 20), 4096, i as u64, 0],
+        )?;
+        pool.fill(1)?;
+        let children = parent.fork(1, &opts, Some(&pool))?;
+        pause16.push(parent.last_pause());
+        drop(children);
+    }
+    row(
+        "parent pause window, fork(1) after 16 MiB dirtied (= a 16 MiB diff without fsync)",
+        pause16,
+    );
+
     // Host memory per child: PSS of this process (the VMM and every child in it).
     for backend in [MemoryBackend::Mmap, MemoryBackend::Uffd] {
         let mut opts = ForkOptions::new(&dir.0);
