@@ -232,7 +232,8 @@ fn the_agent_refuses_hostile_frames_and_keeps_serving() {
         .to_bytes();
         h[16..20].copy_from_slice(&claim.to_le_bytes());
         s.write_all(&h).unwrap();
-        s.write_all(&[0u8; 4096]).unwrap();
+        // The agent may close on the header alone, before these bytes arrive.
+        let _ = s.write_all(&[0u8; 4096]);
         assert!(read_answer(&mut s).is_none());
     }
 
