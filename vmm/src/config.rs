@@ -35,6 +35,8 @@ pub struct VmConfig {
     pub vsock: Option<VsockConfig>,
     pub rng: bool,
     pub serial: SerialOutput,
+    /// Feed the VMM's standard input to the guest's serial console.
+    pub console_input: bool,
 }
 
 /// The part of a [`VmConfig`] that describes the machine (not where its
@@ -74,6 +76,7 @@ impl VmConfig {
             vsock: spec.vsock,
             rng: spec.rng,
             serial,
+            console_input: false,
         }
     }
 
@@ -88,6 +91,7 @@ impl VmConfig {
             vsock: None,
             rng: false,
             serial: SerialOutput::Stdout,
+            console_input: false,
         }
     }
 

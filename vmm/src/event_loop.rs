@@ -76,6 +76,35 @@ impl MutEventSubscriber for Parker {
     }
 }
 
+/// Feeds the VMM's standard input to the guest's serial port (console input).
+/// Stops watching at end of file or on a read error.
+pub struct StdinToSerial {
+    pub serial: Arc<Mutex<devices::legacy::Serial>>,
+}
+
+impl MutEventSubscriber for StdinToSerial {
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        use std::io::Read;
+        let mut buf = [0u8; 64];
+        match std::io::stdin().lock().read(&mut buf) {
+            Ok(n) if n > 0 => {
+                // The UART holds 64 bytes; what does not fit is dropped, as a
+                // real UART drops bytes its guest does not read.
+                devices::bus::lock(&self.serial).enqueue_input(&buf[..n]);
+            }
+            _ => {
+                let _ = ops.remove(events);
+            }
+        }
+    }
+    fn init(&mut self, ops: &mut EventOps) {
+        let stdin = std::io::stdin();
+        if let Err(e) = ops.add(Events::new(&stdin, EventSet::IN)) {
+            log::warn!("console: cannot watch standard input: {e:?}");
+        }
+    }
+}
+
 pub struct EventLoop {
     stop_evt: EventFd,
     park_evt: EventFd,

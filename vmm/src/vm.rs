@@ -8,6 +8,7 @@ use devices::virtio::mmio::MmioTransport;
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
 use devices::virtio::{GuestMemoryMmap, VirtioDevice};
+use event_manager::SubscriberOps;
 use kvm_bindings::{kvm_pit_config, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::VmFd;
 
@@ -118,6 +119,12 @@ impl Vm {
         let exit = Arc::new(ExitSignal::default());
         let mut at = Attach::new(&vm, &ram.mem, new_manager()?, exit.clone());
         let serial = at.attach_serial(config.serial.clone())?;
+        if config.console_input {
+            at.em
+                .add_subscriber(Arc::new(Mutex::new(crate::event_loop::StdinToSerial {
+                    serial: serial.clone(),
+                })));
+        }
         let i8042 = at.attach_i8042()?;
         let virtio = attach_virtio_devices(&mut at, &config)?;
         let devices = DeviceHandles {

@@ -11,7 +11,7 @@
 //! sprout vm fork --api-sock PATH [--count N]
 //! ```
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -160,6 +160,9 @@ fn run(a: RunArgs) -> Result<bool> {
     cfg.mem_mib = a.memory_mib;
     cfg.cmdline = a.cmdline;
     cfg.serial = SerialOutput::Stdout;
+    // An interactive terminal types into the guest's console (line by line:
+    // the terminal stays in cooked mode).
+    cfg.console_input = std::io::stdin().is_terminal();
     cfg.rng = a.rng;
     if let Some(p) = a.image {
         cfg.disks.push(DiskConfig {
