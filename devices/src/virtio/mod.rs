@@ -23,6 +23,7 @@ pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicB
 pub mod block;
 pub mod mmio;
 pub mod rng;
+mod single_queue;
 #[cfg(test)]
 pub(crate) mod test_ring;
 pub mod vsock;

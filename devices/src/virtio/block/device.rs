@@ -8,12 +8,13 @@ use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
 };
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::backend::{DiskBackend, FileDisk};
 use super::layered::LayeredDisk;
 use super::request::{self, DiskInfo};
 use super::{BlockError, ID_BYTES, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SIZE_MAX};
+use crate::virtio::single_queue::SingleQueue;
 use crate::virtio::{
     ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
     INT_VRING, TYPE_BLOCK, VIRTIO_F_VERSION_1,
@@ -34,12 +35,6 @@ pub struct BlockConfig {
 }
 
 /// What the device holds between DRIVER_OK and reset.
-pub(super) struct Active {
-    mem: GuestMemoryMmap,
-    queue: Queue,
-    pub(super) acked_features: u64,
-}
-
 /// A virtio-blk device over a [`DiskBackend`].
 pub struct Block {
     disk: Box<dyn DiskBackend>,
@@ -50,12 +45,7 @@ pub struct Block {
     pub(super) capacity_bytes: u64,
     pub(super) avail_features: u64,
     config: [u8; CONFIG_LEN],
-    queue_evts: [EventFd; 1],
-    interrupt: Interrupt,
-    pub(super) active: Option<Active>,
-    pub(super) needs_reset: bool,
-    /// Set by `restore_state` until the transport re-activates the device.
-    pub(super) restored: Option<VirtioDeviceState>,
+    pub(super) q: SingleQueue,
     /// Bounce buffer between the disk and guest memory, reused across requests.
     buf: Vec<u8>,
 }
@@ -103,11 +93,7 @@ impl Block {
             capacity_bytes,
             avail_features,
             config,
-            queue_evts: [EventFd::new(EFD_NONBLOCK).map_err(BlockError::EventFd)?],
-            interrupt: Interrupt::new().map_err(BlockError::EventFd)?,
-            active: None,
-            needs_reset: false,
-            restored: None,
+            q: SingleQueue::new().map_err(BlockError::EventFd)?,
             buf: Vec::new(),
         })
     }
@@ -140,7 +126,7 @@ impl Block {
 
     /// Features the driver acknowledged, once activated.
     pub fn acked_features(&self) -> Option<u64> {
-        self.active.as_ref().map(|a| a.acked_features)
+        self.q.active.as_ref().map(|a| a.acked_features)
     }
 
     /// Serves every available request, then raises INT_VRING if any completed.
@@ -151,10 +137,10 @@ impl Block {
     /// a head index outside the table, a used ring that cannot be written) sets
     /// DEVICE_NEEDS_RESET, raises INT_CONFIG and returns [`BlockError::QueueBroken`].
     pub fn process_queue(&mut self) -> Result<usize, BlockError> {
-        if self.needs_reset {
+        if self.q.needs_reset {
             return Ok(0);
         }
-        let Some(active) = self.active.as_mut() else {
+        let Some(active) = self.q.active.as_mut() else {
             return Ok(0);
         };
         if !active.queue.ready() {
@@ -191,7 +177,7 @@ impl Block {
             Ok(()) => Ok(used),
             Err(e) => {
                 warn!("virtio-blk: request queue broken: {e}");
-                self.needs_reset = true;
+                self.q.needs_reset = true;
                 self.signal(INT_CONFIG);
                 Err(BlockError::QueueBroken(e))
             }
@@ -199,13 +185,13 @@ impl Block {
     }
 
     fn signal(&self, kind: u32) {
-        if let Err(e) = self.interrupt.trigger(kind) {
+        if let Err(e) = self.q.interrupt.trigger(kind) {
             warn!("virtio-blk: cannot raise interrupt: {e}");
         }
     }
 
     pub(super) fn queue_event(&self, idx: usize) -> Option<&EventFd> {
-        self.queue_evts.get(idx)
+        self.q.queue_evts.get(idx)
     }
 }
 
@@ -237,64 +223,37 @@ impl VirtioDevice for Block {
         &mut self,
         mem: GuestMemoryMmap,
         acked_features: u64,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
     ) -> Result<(), ActivateError> {
-        if queues.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                expected: 1,
-                got: queues.len(),
-            });
-        }
-        let Some(queue) = queues.pop() else {
-            return Err(ActivateError::QueueCount {
-                expected: 1,
-                got: 0,
-            });
-        };
-        // needs_reset is false here unless a restore brought it back: a device only
-        // breaks while active, and a reset clears it.
-        self.restored = None;
-        self.active = Some(Active {
-            mem,
-            queue,
-            acked_features,
-        });
-        Ok(())
+        self.q.activate(mem, acked_features, queues)
     }
 
     fn reset(&mut self) {
-        self.active = None;
-        self.needs_reset = false;
-        self.restored = None;
-        self.interrupt.clear();
-        // A notify that raced with the reset must not be served by the next activation.
-        let _ = self.queue_evts[0].read();
+        self.q.reset();
     }
 
     fn queue_events(&self) -> &[EventFd] {
-        &self.queue_evts
+        &self.q.queue_evts
     }
 
     fn interrupt(&self) -> &Interrupt {
-        &self.interrupt
+        &self.q.interrupt
     }
 
     fn needs_reset(&self) -> bool {
-        self.needs_reset
+        self.q.needs_reset
     }
 
     fn is_activated(&self) -> bool {
-        self.active.is_some()
+        self.q.active.is_some()
     }
 
     fn active_queues(&self) -> &[Queue] {
-        self.active
-            .as_ref()
-            .map_or(&[], |a| std::slice::from_ref(&a.queue))
+        self.q.active_queues()
     }
 
     fn restored_state(&self) -> Option<VirtioDeviceState> {
-        self.restored
+        self.q.restored
     }
 }
 

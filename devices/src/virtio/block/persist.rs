@@ -34,8 +34,8 @@ impl Block {
             version: BLOCK_STATE_VERSION,
             virtio: VirtioDeviceState {
                 activated: self.is_activated(),
-                acked_features: self.active.as_ref().map_or(0, |a| a.acked_features),
-                needs_reset: self.needs_reset,
+                acked_features: self.q.active.as_ref().map_or(0, |a| a.acked_features),
+                needs_reset: self.q.needs_reset,
             },
             capacity_bytes: self.capacity_bytes,
             read_only: self.read_only,
@@ -69,8 +69,8 @@ impl Block {
             ));
         }
         state.virtio.validate(WHAT, self.avail_features)?;
-        self.needs_reset = state.virtio.needs_reset;
-        self.restored = Some(state.virtio);
+        self.q.needs_reset = state.virtio.needs_reset;
+        self.q.restored = Some(state.virtio);
         Ok(())
     }
 }

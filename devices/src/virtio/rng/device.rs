@@ -7,30 +7,20 @@ use log::{debug, warn};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestMemoryBackend};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::{RngError, ENTROPY_SOURCE, MAX_CHAIN_BYTES, QUEUE_SIZE};
+use crate::virtio::single_queue::SingleQueue;
 use crate::virtio::{
     ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
     INT_VRING, TYPE_RNG, VIRTIO_F_VERSION_1,
 };
 
 /// What the device holds between DRIVER_OK and reset.
-pub(super) struct Active {
-    mem: GuestMemoryMmap,
-    queue: Queue,
-    pub(super) acked_features: u64,
-}
-
 /// A virtio-rng device backed by /dev/urandom (opened once).
 pub struct Rng {
     source: File,
-    queue_evts: [EventFd; 1],
-    interrupt: Interrupt,
-    pub(super) active: Option<Active>,
-    pub(super) needs_reset: bool,
-    /// Set by `from_state` until the transport re-activates the device.
-    pub(super) restored: Option<VirtioDeviceState>,
+    pub(super) q: SingleQueue,
     /// Bounce buffer between the entropy source and guest memory.
     buf: Vec<u8>,
 }
@@ -39,11 +29,7 @@ impl Rng {
     pub fn new() -> Result<Self, RngError> {
         Ok(Self {
             source: File::open(ENTROPY_SOURCE).map_err(RngError::Open)?,
-            queue_evts: [EventFd::new(EFD_NONBLOCK).map_err(RngError::EventFd)?],
-            interrupt: Interrupt::new().map_err(RngError::EventFd)?,
-            active: None,
-            needs_reset: false,
-            restored: None,
+            q: SingleQueue::new().map_err(RngError::EventFd)?,
             buf: Vec::new(),
         })
     }
@@ -55,10 +41,10 @@ impl Rng {
     /// queue is broken. A broken queue sets DEVICE_NEEDS_RESET, raises INT_CONFIG and
     /// returns [`RngError::QueueBroken`].
     pub fn process_queue(&mut self) -> Result<usize, RngError> {
-        if self.needs_reset {
+        if self.q.needs_reset {
             return Ok(0);
         }
-        let Some(active) = self.active.as_mut() else {
+        let Some(active) = self.q.active.as_mut() else {
             return Ok(0);
         };
         if !active.queue.ready() {
@@ -88,7 +74,7 @@ impl Rng {
             Ok(()) => Ok(used),
             Err(e) => {
                 warn!("virtio-rng: request queue broken: {e}");
-                self.needs_reset = true;
+                self.q.needs_reset = true;
                 self.signal(INT_CONFIG);
                 Err(RngError::QueueBroken(e))
             }
@@ -96,7 +82,7 @@ impl Rng {
     }
 
     fn signal(&self, kind: u32) {
-        if let Err(e) = self.interrupt.trigger(kind) {
+        if let Err(e) = self.q.interrupt.trigger(kind) {
             warn!("virtio-rng: cannot raise interrupt: {e}");
         }
     }
@@ -168,54 +154,37 @@ impl VirtioDevice for Rng {
         &mut self,
         mem: GuestMemoryMmap,
         acked_features: u64,
-        mut queues: Vec<Queue>,
+        queues: Vec<Queue>,
     ) -> Result<(), ActivateError> {
-        let got = queues.len();
-        let (1, Some(queue)) = (got, queues.pop()) else {
-            return Err(ActivateError::QueueCount { expected: 1, got });
-        };
-        // needs_reset is false here unless a restore brought it back.
-        self.restored = None;
-        self.active = Some(Active {
-            mem,
-            queue,
-            acked_features,
-        });
-        Ok(())
+        self.q.activate(mem, acked_features, queues)
     }
 
     fn reset(&mut self) {
-        self.active = None;
-        self.needs_reset = false;
-        self.restored = None;
-        self.interrupt.clear();
-        let _ = self.queue_evts[0].read();
+        self.q.reset();
     }
 
     fn queue_events(&self) -> &[EventFd] {
-        &self.queue_evts
+        &self.q.queue_evts
     }
 
     fn interrupt(&self) -> &Interrupt {
-        &self.interrupt
+        &self.q.interrupt
     }
 
     fn needs_reset(&self) -> bool {
-        self.needs_reset
+        self.q.needs_reset
     }
 
     fn is_activated(&self) -> bool {
-        self.active.is_some()
+        self.q.active.is_some()
     }
 
     fn active_queues(&self) -> &[Queue] {
-        self.active
-            .as_ref()
-            .map_or(&[], |a| std::slice::from_ref(&a.queue))
+        self.q.active_queues()
     }
 
     fn restored_state(&self) -> Option<VirtioDeviceState> {
-        self.restored
+        self.q.restored
     }
 }
 

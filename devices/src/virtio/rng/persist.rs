@@ -25,8 +25,8 @@ impl Rng {
             version: RNG_STATE_VERSION,
             virtio: VirtioDeviceState {
                 activated: self.is_activated(),
-                acked_features: self.active.as_ref().map_or(0, |a| a.acked_features),
-                needs_reset: self.needs_reset,
+                acked_features: self.q.active.as_ref().map_or(0, |a| a.acked_features),
+                needs_reset: self.q.needs_reset,
             },
         }
     }
@@ -40,8 +40,8 @@ impl Rng {
             .virtio
             .validate(WHAT, rng.avail_features())
             .map_err(RngError::State)?;
-        rng.needs_reset = state.virtio.needs_reset;
-        rng.restored = Some(state.virtio);
+        rng.q.needs_reset = state.virtio.needs_reset;
+        rng.q.restored = Some(state.virtio);
         Ok(rng)
     }
 }
