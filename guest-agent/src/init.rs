@@ -108,6 +108,9 @@ fn setup(opts_from: impl FnOnce() -> String) -> BootOptions {
             "ext4",
             MountFlags::NOSUID | MountFlags::NODEV,
         ),
+        // The image's root set-up (sprout-init) already mounted the writable
+        // disk's workspace here: keep it.
+        None if is_mount_point(WORKSPACE) => Ok(()),
         None => mount_one(
             "tmpfs",
             WORKSPACE,
@@ -125,6 +128,19 @@ fn setup(opts_from: impl FnOnce() -> String) -> BootOptions {
         warn!("cannot bring up lo: {e}");
     }
     opts
+}
+
+/// Whether `path` is the root of a mount other than its parent's.
+fn is_mount_point(path: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let p = Path::new(path);
+    match (
+        std::fs::metadata(p),
+        std::fs::metadata(p.parent().unwrap_or(Path::new("/"))),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() != b.dev(),
+        _ => false,
+    }
 }
 
 /// Runs as PID 1: never returns (PID 1 exiting panics the kernel).

@@ -2,3 +2,4 @@
 //! `sproutd`, the REST service, joins it later.
 
 pub mod api_sock;
+pub mod linux;

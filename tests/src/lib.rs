@@ -1,5 +1,7 @@
 //! Helpers for integration tests that boot the test guest under real KVM.
 
+pub mod lab;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

@@ -146,6 +146,12 @@ impl Vm {
         }
         boot::write_cmdline(&ram.mem, &cmdline)?;
         boot::write_zero_page(&ram.mem, ram.size, cmdline.len())?;
+        if kernel.kind == EntryKind::Linux {
+            crate::arch::mptable::write(&ram.mem, config.vcpus)?;
+        }
+        if kernel.kind == EntryKind::Linux {
+            crate::arch::mptable::write(&ram.mem, config.vcpus)?;
+        }
 
         let supported = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)

@@ -101,12 +101,18 @@ struct RestoreArgs {
 
 #[derive(Args)]
 struct RunArgs {
-    /// Kernel: an uncompressed ELF vmlinux, or `testguest` for Sprout's built-in test guest.
+    /// Kernel: an uncompressed ELF vmlinux (default: the cached guest kernel),
+    /// or `testguest` for Sprout's built-in test guest.
     #[arg(long)]
-    kernel: String,
-    /// Read-only base disk image (virtio-blk).
+    kernel: Option<String>,
+    /// Root image: `test`, `default` (the default) or the path of an ext4 base
+    /// image (read-only virtio-blk). For the test guest: any disk image.
     #[arg(long)]
-    image: Option<PathBuf>,
+    image: Option<String>,
+    /// Linux guests: run this shell command line in the guest through the
+    /// agent, print its output and exit with its exit status.
+    #[arg(long)]
+    exec: Option<String>,
     /// Private writable disk (virtio-blk); created sparse if missing.
     #[arg(long)]
     disk: Option<PathBuf>,
@@ -154,8 +160,24 @@ fn kernel_path(k: &str) -> PathBuf {
     }
 }
 
+impl RunArgs {
+    fn into_linux(self) -> service::linux::LinuxRun {
+        service::linux::LinuxRun {
+            kernel: self.kernel.map(PathBuf::from),
+            image: self.image,
+            disk: self.disk,
+            cpus: self.cpus,
+            memory_mib: self.memory_mib,
+            cmdline: self.cmdline,
+            exec: self.exec,
+            vsock_uds: self.vsock_uds,
+            api_sock: self.api_sock,
+        }
+    }
+}
+
 fn run(a: RunArgs) -> Result<bool> {
-    let mut cfg = VmConfig::new(kernel_path(&a.kernel));
+    let mut cfg = VmConfig::new(kernel_path(a.kernel.as_deref().unwrap_or("testguest")));
     cfg.vcpus = a.cpus;
     cfg.mem_mib = a.memory_mib;
     cfg.cmdline = a.cmdline;
@@ -166,7 +188,7 @@ fn run(a: RunArgs) -> Result<bool> {
     cfg.rng = a.rng;
     if let Some(p) = a.image {
         cfg.disks.push(DiskConfig {
-            path: p,
+            path: PathBuf::from(p),
             read_only: true,
             id: "base".into(),
         });
@@ -250,7 +272,10 @@ fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::Vm(VmCmd::Run(a)) => run(a),
+        Cmd::Vm(VmCmd::Run(a)) => match a.kernel.as_deref() {
+            Some(k) if service::linux::is_test_guest(k) => run(a),
+            _ => return service::linux::main(a.into_linux()),
+        },
         Cmd::Vm(VmCmd::Ctl(a)) => ctl(a),
         Cmd::Vm(VmCmd::Pause(a)) => send(&a.api_sock, "pause"),
         Cmd::Vm(VmCmd::Resume(a)) => send(&a.api_sock, "resume"),

@@ -10,6 +10,7 @@ const EDX_HTT: u32 = 1 << 28;
 
 /// Adjusts the supported CPUID for vCPU `index` of `count`.
 pub fn for_vcpu(cpuid: &mut CpuId, index: u8, count: u8) {
+    complete_topology_leaves(cpuid);
     for e in cpuid.as_mut_slice() {
         match e.function {
             0x1 => {
@@ -64,10 +65,86 @@ pub fn for_vcpu(cpuid: &mut CpuId, index: u8, count: u8) {
     }
 }
 
+/// KVM reports leaf 0xb (and 0x1f) with subleaf 0 only ("no topology"):
+/// without subleaf 1 Linux finds no core level and puts every vCPU in a
+/// package of its own. Make sure subleaves 0-2 exist (2 ends the list);
+/// `for_vcpu` fills them in.
+fn complete_topology_leaves(cpuid: &mut CpuId) {
+    let max_basic = cpuid
+        .as_slice()
+        .iter()
+        .find(|e| e.function == 0)
+        .map_or(0, |e| e.eax);
+    for leaf in [0xb, 0x1f] {
+        let present = cpuid.as_slice().iter().any(|e| e.function == leaf);
+        if leaf > max_basic || (leaf == 0x1f && !present) {
+            continue;
+        }
+        for sub in 0..3 {
+            let have = cpuid
+                .as_slice()
+                .iter()
+                .any(|e| e.function == leaf && e.index == sub);
+            if !have {
+                // A full FAM (KVM_MAX_CPUID_ENTRIES) cannot grow: then Linux
+                // simply sees a flat topology.
+                let _ = cpuid.push(kvm_bindings::kvm_cpuid_entry2 {
+                    function: leaf,
+                    index: sub,
+                    flags: kvm_bindings::KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+                    ..Default::default()
+                });
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn topology_leaf_gets_its_core_level() {
+        // What KVM reports: leaf 0xb, subleaf 0, all zero.
+        let mut c = CpuId::from_entries(&[
+            kvm_cpuid_entry2 {
+                function: 0,
+                eax: 0xd,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0xb,
+                flags: kvm_bindings::KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+                ..Default::default()
+            },
+        ])
+        .unwrap();
+        for_vcpu(&mut c, 1, 2);
+        let sub = |i: u32| {
+            *c.as_slice()
+                .iter()
+                .find(|e| e.function == 0xb && e.index == i)
+                .unwrap()
+        };
+        assert_eq!(
+            (sub(0).ebx, (sub(0).ecx >> 8) & 0xff),
+            (1, 1),
+            "SMT level: 1 thread"
+        );
+        assert_eq!(
+            (sub(1).ebx, (sub(1).ecx >> 8) & 0xff),
+            (2, 2),
+            "core level: 2 cores"
+        );
+        assert!(sub(1).eax >= 1, "APIC id bits for 2 cores");
+        assert_eq!((sub(2).ecx >> 8) & 0xff, 0, "end of the list");
+        assert!([0, 1, 2].iter().all(|&i| sub(i).edx == 1), "x2APIC id");
+        assert!(
+            !c.as_slice().iter().any(|e| e.function == 0x1f),
+            "0x1f not invented"
+        );
+    }
 
     #[test]
     fn apic_id_and_count_per_vcpu() {

@@ -4,5 +4,7 @@
 pub mod boot;
 pub mod cpuid;
 pub mod kernel;
+pub mod mptable;
+pub mod probe;
 pub mod regs;
 pub mod state;

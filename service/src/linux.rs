@@ -1,0 +1,645 @@
+//! `sprout vm run` for Linux guests: the cached guest kernel, a root image
+//! (`test`, `default` or a path), a private writable disk, vsock to the agent,
+//! and with `--exec` one command run through the agent.
+//!
+//! Files (see docs/guest.md): `${SPROUT_CACHE:-$HOME/.cache/sprout}/vmlinux`
+//! (guest/build-kernel.sh), `.../images/{test,default}.ext4` (read-only base
+//! images) and `.../images/scratch.ext4` (the writable-disk template: a sparse,
+//! pre-formatted ext4 copied hole by hole for each VM), all built by
+//! guest/build-images.sh.
+//!
+//! The guest's disks: `/dev/vda` the base image (read-only), `/dev/vdb` the
+//! writable disk; the image's `/sbin/sprout-init` joins them with overlayfs and
+//! execs the agent as PID 1, which listens on vsock port 1024.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guest_agent::client::{Client, ClientConfig, Endpoint, ExecEvent};
+use guest_agent::protocol::{Exec, DEFAULT_VSOCK_PORT};
+use vmm::vcpu::ExitSignal;
+use vmm::{ConsoleBuffer, DiskConfig, ExitReason, SerialOutput, Vm, VmConfig, VsockConfig};
+
+use crate::api_sock::ApiSocket;
+
+/// The kernel command line of a Linux guest before the user's additions and
+/// the VMM's virtio-mmio entries. `RUST_LOG` reaches the agent as an
+/// environment variable (the kernel hands unknown `key=value` words to init).
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet reboot=k panic=-1 pci=off \
+     root=/dev/vda ro rootfstype=ext4 init=/sbin/sprout-init RUST_LOG=warn";
+/// The guest CID of the VM's vsock device.
+const GUEST_CID: u64 = 3;
+/// How long to wait for the agent unless `SPROUT_BOOT_TIMEOUT` (seconds) says otherwise.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+const CONSOLE_CAP: usize = 64 * 1024;
+/// How long a broken agent connection may precede the end of a rebooting VM.
+const REBOOT_GRACE: Duration = Duration::from_secs(10);
+const EXT4_MAGIC_OFFSET: u64 = 1024 + 0x38;
+const EXT4_MAGIC: u16 = 0xef53;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinuxError {
+    #[error("No guest kernel at {0}: build it with guest/build-kernel.sh, or pass --kernel PATH")]
+    NoKernel(PathBuf),
+    #[error("No {name} image at {path}: build it with guest/build-images.sh {name}, or pass --image PATH")]
+    NoImage { name: String, path: PathBuf },
+    #[error("{0} is not a kernel Sprout can boot: not an ELF64 x86_64 executable (use an uncompressed vmlinux, not a bzImage)")]
+    NotElf(PathBuf),
+    #[error("Image {0} does not exist or is not a file")]
+    ImageMissing(PathBuf),
+    #[error("{0} is not an ext4 image (no ext4 superblock)")]
+    NotExt4(PathBuf),
+    #[error("Cannot read {0}")]
+    Read(PathBuf, #[source] std::io::Error),
+    #[error("No writable-disk template at {0}: build it with guest/build-images.sh scratch")]
+    NoTemplate(PathBuf),
+    #[error("Cannot create the writable disk {0} from the template")]
+    Disk(PathBuf, #[source] std::io::Error),
+    #[error("Invalid VM configuration")]
+    Config(#[from] vmm::ConfigError),
+    #[error(transparent)]
+    Probe(#[from] vmm::arch::probe::ProbeError),
+    #[error("Cannot start the VM")]
+    Vm(#[from] vmm::VmError),
+    #[error("Cannot serve the control socket: {0}")]
+    ApiSock(String),
+    #[error("Cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("The agent did not answer within {0:?} of boot (last error: {1}); console:\n{2}")]
+    AgentTimeout(Duration, String, String),
+    #[error("The VM ended ({0}) before its agent answered; console:\n{1}")]
+    EndedEarly(ExitReason, String),
+    #[error("The command failed to run in the guest: {0}")]
+    Exec(String),
+}
+
+/// What `sprout vm run` asked for, for a Linux guest.
+#[derive(Clone, Debug)]
+pub struct LinuxRun {
+    /// An uncompressed ELF vmlinux; the cached guest kernel if `None`.
+    pub kernel: Option<PathBuf>,
+    /// `test`, `default` or a path to an ext4 base image; `default` if `None`.
+    pub image: Option<String>,
+    /// The writable disk: an ext4 image, created from the template if it does
+    /// not exist (and kept). A private temporary copy if `None`.
+    pub disk: Option<PathBuf>,
+    pub cpus: u8,
+    pub memory_mib: u64,
+    /// Appended to [`DEFAULT_CMDLINE`].
+    pub cmdline: String,
+    /// A shell command line run in the guest (`/bin/sh -c`) through the agent.
+    pub exec: Option<String>,
+    /// Where the VM's vsock device listens; a private temporary path if `None`.
+    pub vsock_uds: Option<PathBuf>,
+    /// Serve the control socket here (without `--exec`).
+    pub api_sock: Option<PathBuf>,
+}
+
+impl LinuxRun {
+    pub fn new() -> Self {
+        Self {
+            kernel: None,
+            image: None,
+            disk: None,
+            cpus: 1,
+            memory_mib: 256,
+            cmdline: String::new(),
+            exec: None,
+            vsock_uds: None,
+            api_sock: None,
+        }
+    }
+}
+
+impl Default for LinuxRun {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Sprout's cache directory: `$SPROUT_CACHE`, else `$HOME/.cache/sprout`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("SPROUT_CACHE").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    PathBuf::from(home).join(".cache/sprout")
+}
+
+/// Whether `kernel` names Sprout's test guest (`testguest`, or an ELF carrying
+/// the Sprout note) rather than a Linux kernel.
+pub fn is_test_guest(kernel: &str) -> bool {
+    kernel == "testguest" || elf_has_sprout_note(Path::new(kernel)).unwrap_or(false)
+}
+
+fn elf_has_sprout_note(path: &Path) -> std::io::Result<bool> {
+    let mut f = File::open(path)?;
+    let mut eh = [0u8; 64];
+    f.read_exact(&mut eh)?;
+    if &eh[0..4] != b"\x7fELF" || eh[4] != 2 {
+        return Ok(false);
+    }
+    let phoff = u64::from_le_bytes(eh[32..40].try_into().unwrap_or_default());
+    let (phentsize, phnum) = (
+        u16::from_le_bytes([eh[54], eh[55]]),
+        u16::from_le_bytes([eh[56], eh[57]]),
+    );
+    if phentsize != 56 || phnum > 128 {
+        return Ok(false);
+    }
+    let mut ph = vec![0u8; 56 * usize::from(phnum)];
+    f.seek(SeekFrom::Start(phoff))?;
+    f.read_exact(&mut ph)?;
+    for p in ph.chunks_exact(56) {
+        if u32::from_le_bytes(p[0..4].try_into().unwrap_or_default()) != 4 {
+            continue; // not PT_NOTE
+        }
+        let off = u64::from_le_bytes(p[8..16].try_into().unwrap_or_default());
+        let size = u64::from_le_bytes(p[32..40].try_into().unwrap_or_default()).min(64 * 1024);
+        let mut notes = vec![0u8; size as usize];
+        f.seek(SeekFrom::Start(off))?;
+        f.read_exact(&mut notes)?;
+        if guest_abi::mailbox::find_note(&notes).is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Refuses a kernel file that is not an ELF64 x86_64 executable with program
+/// headers (the VMM checks the rest when it loads it).
+pub fn check_kernel(path: &Path) -> Result<(), LinuxError> {
+    let mut eh = [0u8; 64];
+    File::open(path)
+        .and_then(|mut f| f.read_exact(&mut eh))
+        .map_err(|_| LinuxError::NotElf(path.into()))?;
+    let u16_at = |o: usize| u16::from_le_bytes([eh[o], eh[o + 1]]);
+    let elf = &eh[0..4] == b"\x7fELF" && eh[4] == 2 && eh[5] == 1;
+    if elf
+        && u16_at(16) == 2
+        && u16_at(18) == 62
+        && u16_at(54) == 56
+        && (1..=128).contains(&u16_at(56))
+    {
+        Ok(())
+    } else {
+        Err(LinuxError::NotElf(path.into()))
+    }
+}
+
+/// The base image `--image` names.
+pub fn resolve_image(image: Option<&str>) -> Result<PathBuf, LinuxError> {
+    let name = image.unwrap_or("default");
+    let path = match name {
+        "test" | "default" => {
+            let p = cache_dir().join("images").join(format!("{name}.ext4"));
+            if !p.is_file() {
+                return Err(LinuxError::NoImage {
+                    name: name.into(),
+                    path: p,
+                });
+            }
+            p
+        }
+        p => PathBuf::from(p),
+    };
+    if !path.is_file() {
+        return Err(LinuxError::ImageMissing(path));
+    }
+    check_ext4(&path)?;
+    Ok(path)
+}
+
+/// Refuses a file without an ext4 superblock.
+pub fn check_ext4(path: &Path) -> Result<(), LinuxError> {
+    let mut f = File::open(path).map_err(|e| LinuxError::Read(path.into(), e))?;
+    let mut magic = [0u8; 2];
+    let ok = f.seek(SeekFrom::Start(EXT4_MAGIC_OFFSET)).is_ok() && f.read_exact(&mut magic).is_ok();
+    if ok && u16::from_le_bytes(magic) == EXT4_MAGIC {
+        Ok(())
+    } else {
+        Err(LinuxError::NotExt4(path.into()))
+    }
+}
+
+/// Copies the sparse `template` to `dst` data extent by data extent: the
+/// holes stay holes, so a 16 GiB template costs its few MiB of metadata.
+pub fn copy_sparse(template: &Path, dst: &Path) -> std::io::Result<()> {
+    use rustix::fs::{seek, SeekFrom as At};
+    let mut src = File::open(template)?;
+    let len = src.metadata()?.len();
+    let mut out = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = 0u64;
+    while pos < len {
+        let data = match seek(&src, At::Data(pos)) {
+            Ok(d) => d,
+            Err(rustix::io::Errno::NXIO) => break, // only a hole is left
+            Err(e) => return Err(e.into()),
+        };
+        let hole = seek(&src, At::Hole(data))?.min(len);
+        src.seek(SeekFrom::Start(data))?;
+        out.seek(SeekFrom::Start(data))?;
+        let mut left = hole - data;
+        while left > 0 {
+            let n = buf.len().min(left as usize);
+            src.read_exact(&mut buf[..n])?;
+            out.write_all(&buf[..n])?;
+            left -= n as u64;
+        }
+        pos = hole;
+    }
+    out.set_len(len)?;
+    Ok(())
+}
+
+/// A private scratch directory, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> std::io::Result<Self> {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let p = std::env::temp_dir().join(format!(
+            "sprout-vm-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&p)?;
+        Ok(Self(p))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `sprout vm run` for a Linux guest; prints errors like the CLI does and
+/// returns the process exit status: with `--exec`, the command's (128 + signal
+/// if a signal killed it; 0 if the command rebooted the guest); without, 0 if
+/// the guest rebooted or powered off, 1 otherwise.
+pub fn main(run: LinuxRun) -> ExitCode {
+    match self::run(run) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            eprintln!("sprout: error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// [`main`] without the printing: the exit status, or why the VM could not run.
+pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
+    // Everything the user typed is checked first, then the host.
+    let kernel = match &run.kernel {
+        Some(k) => k.clone(),
+        None => {
+            let k = cache_dir().join("vmlinux");
+            if !k.is_file() {
+                return Err(LinuxError::NoKernel(k));
+            }
+            k
+        }
+    };
+    let mut cfg = VmConfig::new(&kernel);
+    cfg.vcpus = run.cpus;
+    cfg.mem_mib = run.memory_mib;
+    cfg.validate()?;
+    check_kernel(&kernel)?;
+    let image = resolve_image(run.image.as_deref())?;
+    if let Some(d) = run.disk.as_ref().filter(|d| d.exists()) {
+        check_ext4(d)?;
+    }
+    vmm::arch::probe::check_linux_guests()?;
+
+    let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
+    let disk = match &run.disk {
+        Some(d) if d.exists() => d.clone(),
+        d => {
+            let dst = d.clone().unwrap_or_else(|| scratch.0.join("disk.ext4"));
+            let template = cache_dir().join("images/scratch.ext4");
+            if !template.is_file() {
+                return Err(LinuxError::NoTemplate(template));
+            }
+            copy_sparse(&template, &dst).map_err(|e| LinuxError::Disk(dst.clone(), e))?;
+            dst
+        }
+    };
+    let uds = run
+        .vsock_uds
+        .clone()
+        .unwrap_or_else(|| scratch.0.join("vsock.sock"));
+
+    cfg.cmdline = format!("{DEFAULT_CMDLINE} {}", run.cmdline.trim())
+        .trim()
+        .to_string();
+    cfg.disks = vec![
+        DiskConfig {
+            path: image,
+            read_only: true,
+            id: "base".into(),
+        },
+        DiskConfig {
+            path: disk,
+            read_only: false,
+            id: "disk".into(),
+        },
+    ];
+    cfg.vsock = Some(VsockConfig {
+        guest_cid: GUEST_CID,
+        uds_path: uds.clone(),
+    });
+    cfg.rng = true;
+    let console = ConsoleBuffer::new(CONSOLE_CAP);
+    // With --exec the console is kept for error reports (or shown on stderr
+    // with SPROUT_CONSOLE=stderr); stdout is the command's.
+    cfg.serial = match (&run.exec, std::env::var("SPROUT_CONSOLE").as_deref()) {
+        (None, _) => SerialOutput::Stdout,
+        (Some(_), Ok("stderr")) => {
+            use std::os::fd::AsFd;
+            match std::io::stderr().as_fd().try_clone_to_owned() {
+                Ok(fd) => SerialOutput::File(Arc::new(Mutex::new(File::from(fd)))),
+                Err(_) => SerialOutput::Buffer(console.clone()),
+            }
+        }
+        (Some(_), _) => SerialOutput::Buffer(console.clone()),
+    };
+
+    let started = Instant::now();
+    let vm = Vm::start(cfg)?;
+    let exit = vm.exit_signal();
+    let code = match &run.exec {
+        None => {
+            let vm = Arc::new(Mutex::new(vm));
+            let api = run
+                .api_sock
+                .as_deref()
+                .map(|p| ApiSocket::serve(p, vm.clone()))
+                .transpose()
+                .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
+            let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
+            drop(api);
+            drop(vm);
+            eprintln!("sprout: VM ended: {reason}");
+            u8::from(!reason.is_clean())
+        }
+        Some(cmd) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(LinuxError::Runtime)?;
+            let r = rt.block_on(exec(&uds, cmd, &exit, &console, started));
+            let reason = vm.stop();
+            log::debug!("VM stopped: {reason}");
+            r?
+        }
+    };
+    drop(scratch);
+    Ok(code)
+}
+
+fn boot_timeout() -> Duration {
+    std::env::var("SPROUT_BOOT_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(BOOT_TIMEOUT, Duration::from_secs)
+}
+
+/// Waits for the agent, runs `cmd` with `/bin/sh -c`, streams its output and
+/// returns its exit status.
+async fn exec(
+    uds: &Path,
+    cmd: &str,
+    exit: &ExitSignal,
+    console: &ConsoleBuffer,
+    started: Instant,
+) -> Result<u8, LinuxError> {
+    let client = Client::new(
+        Endpoint::Vsock {
+            uds_path: uds.to_owned(),
+            port: DEFAULT_VSOCK_PORT,
+        },
+        ClientConfig {
+            connect_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        },
+    );
+    let limit = boot_timeout();
+    loop {
+        if let Some(r) = exit.get() {
+            return Err(LinuxError::EndedEarly(r, console.text()));
+        }
+        match client.ping().await {
+            Ok(_) => break,
+            Err(e) if started.elapsed() > limit => {
+                return Err(LinuxError::AgentTimeout(
+                    limit,
+                    e.to_string(),
+                    console.text(),
+                ))
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    // tests/lab/bench-boot.sh reads this line.
+    log::info!(
+        "agent ready {} us after start",
+        started.elapsed().as_micros()
+    );
+    let req = Exec {
+        command: cmd.to_owned(),
+        shell: true,
+        ..Exec::default()
+    };
+    let run = async {
+        let mut s = client
+            .exec(req)
+            .await
+            .map_err(|e| LinuxError::Exec(e.to_string()))?;
+        let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
+        loop {
+            match s.next_event().await {
+                Ok(Some(ExecEvent::Stdout(d))) => {
+                    let _ = out.write_all(&d).and_then(|()| out.flush());
+                }
+                Ok(Some(ExecEvent::Stderr(d))) => {
+                    let _ = err.write_all(&d).and_then(|()| err.flush());
+                }
+                Ok(Some(ExecEvent::Exit(e))) => {
+                    return Ok(match (e.code, e.signal) {
+                        (Some(c), _) => c.clamp(0, 255) as u8,
+                        (None, Some(sig)) => 128u8.saturating_add(sig.clamp(0, 127) as u8),
+                        (None, None) => 1,
+                    });
+                }
+                Ok(None) => {
+                    return Err(LinuxError::Exec(
+                        "the agent ended the exec without an exit status".into(),
+                    ))
+                }
+                Err(e) => return Err(LinuxError::Exec(e.to_string())),
+            }
+        }
+    };
+    tokio::select! {
+        r = run => match r {
+            // The connection breaks when the command reboots the guest, a
+            // little before the VM ends: give it that moment.
+            Err(e) => match tokio::time::timeout(REBOOT_GRACE, ended(exit)).await {
+                Ok(r) if r.is_clean() => {
+                    eprintln!("sprout: the guest ended the VM ({r}) while the command ran");
+                    Ok(0)
+                }
+                _ => Err(e),
+            },
+            r => r,
+        },
+        r = ended(exit) => {
+            if r.is_clean() {
+                eprintln!("sprout: the guest ended the VM ({r}) while the command ran");
+                Ok(0)
+            } else {
+                Err(LinuxError::Exec(format!("the VM failed ({r}); console:\n{}", console.text())))
+            }
+        }
+    }
+}
+
+/// Resolves when the VM has ended.
+async fn ended(exit: &ExitSignal) -> ExitReason {
+    loop {
+        if let Some(r) = exit.get() {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("sprout-linux-test-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d.join(name)
+    }
+
+    #[test]
+    fn sparse_copy_keeps_data_and_holes() {
+        let src = tmp("sparse-src");
+        let dst = tmp("sparse-dst");
+        let _ = std::fs::remove_file(&src);
+        let _ = std::fs::remove_file(&dst);
+        let mut f = File::create(&src).unwrap();
+        f.set_len(1 << 30).unwrap();
+        f.write_all(b"head").unwrap();
+        f.seek(SeekFrom::Start(300 << 20)).unwrap();
+        f.write_all(&[7u8; 10000]).unwrap();
+        drop(f);
+        copy_sparse(&src, &dst).unwrap();
+        let a = std::fs::metadata(&dst).unwrap();
+        assert_eq!(a.len(), 1 << 30);
+        use std::os::unix::fs::MetadataExt;
+        assert!(
+            a.blocks() * 512 < 4 << 20,
+            "copy is sparse: {} blocks",
+            a.blocks()
+        );
+        let mut g = File::open(&dst).unwrap();
+        let mut b = [0u8; 4];
+        g.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"head");
+        let mut c = vec![0u8; 10002];
+        g.seek(SeekFrom::Start((300 << 20) - 1)).unwrap();
+        g.read_exact(&mut c).unwrap();
+        assert_eq!(c[0], 0);
+        assert!(c[1..10001].iter().all(|&x| x == 7));
+        assert_eq!(c[10001], 0);
+        // Never overwrites.
+        assert!(copy_sparse(&src, &dst).is_err());
+        std::fs::remove_file(&src).unwrap();
+        std::fs::remove_file(&dst).unwrap();
+    }
+
+    #[test]
+    fn ext4_is_recognised_by_its_superblock() {
+        let p = tmp("not-ext4");
+        std::fs::write(&p, vec![0u8; 4096]).unwrap();
+        assert!(matches!(check_ext4(&p), Err(LinuxError::NotExt4(_))));
+        let mut b = vec![0u8; 4096];
+        b[1080..1082].copy_from_slice(&EXT4_MAGIC.to_le_bytes());
+        std::fs::write(&p, b).unwrap();
+        check_ext4(&p).unwrap();
+        std::fs::write(&p, b"short").unwrap();
+        assert!(matches!(check_ext4(&p), Err(LinuxError::NotExt4(_))));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn kernel_must_be_an_x86_64_elf_executable() {
+        let p = tmp("kernel");
+        let mut h = vec![0u8; 64];
+        h[0..4].copy_from_slice(b"\x7fELF");
+        h[4] = 2;
+        h[5] = 1;
+        h[16] = 2; // ET_EXEC
+        h[18] = 62; // EM_X86_64
+        h[54] = 56;
+        h[56] = 3;
+        std::fs::write(&p, &h).unwrap();
+        check_kernel(&p).unwrap();
+        for (at, bad) in [(0, 0u8), (4, 1), (16, 3), (18, 3), (56, 0)] {
+            let mut b = h.clone();
+            b[at] = bad;
+            std::fs::write(&p, &b).unwrap();
+            assert!(
+                matches!(check_kernel(&p), Err(LinuxError::NotElf(_))),
+                "byte {at}"
+            );
+        }
+        std::fs::write(&p, b"MZ\x00bzImage").unwrap();
+        let e = check_kernel(&p).unwrap_err().to_string();
+        assert!(e.contains("not a kernel Sprout can boot"), "{e}");
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn test_guest_is_told_from_linux() {
+        assert!(is_test_guest("testguest"));
+        assert!(is_test_guest(testguest_build::TESTGUEST_PATH));
+        assert!(!is_test_guest("/nonexistent/vmlinux"));
+        assert!(!is_test_guest(
+            std::env::current_exe().unwrap().to_str().unwrap()
+        ));
+    }
+
+    #[test]
+    fn cmdline_boots_the_overlay_init() {
+        for w in [
+            "console=ttyS0",
+            "reboot=k",
+            "panic=-1",
+            "root=/dev/vda",
+            "ro",
+            "init=/sbin/sprout-init",
+        ] {
+            assert!(DEFAULT_CMDLINE.split_whitespace().any(|x| x == w), "{w}");
+        }
+    }
+}

@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# Builds the emulated hardware-virtualization lab (see docs/guest.md): an outer
+# initramfs that boots Debian's cloud kernel under QEMU TCG (an emulated AMD CPU
+# with SVM), loads kvm_amd nested=1 and runs a test script against the /dev/kvm
+# it gets. Cached by content in ${SPROUT_CACHE:-$HOME/.cache/sprout}/lab-<hash>/
+# (linked as .../lab):
+#   vmlinuz       Debian's linux-image-cloud-amd64 kernel
+#   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass and virtio modules, sprout
+#                 (release build and its shared libraries), the test guest and
+#                 the guest kernel
+#   images.ext4   the guest images (test, default, scratch), attached read-only
+#                 as the outer VM's virtio disk and mounted at /opt/sprout/images
+#
+# Usage: tests/lab/build.sh [--no-default]
+#   --no-default  leave the default (Debian + python3) image out of the lab
+# Environment: SPROUT_GUEST_KERNEL, a guest vmlinux to use instead of building
+#   ours with guest/build-kernel.sh.
+# Prints the lab directory on stdout; progress goes to stderr.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cache=${SPROUT_CACHE:-$HOME/.cache/sprout}
+
+# Temporary directories of this run, removed however it ends.
+tmps=()
+trap 'rm -rf "${tmps[@]}"' EXIT
+say() { printf '[lab-build %s] %s\n' "$(date +%T)" "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+sha() { sha256sum "$@" | cut -c1-64; }
+
+with_default=1
+for a in "$@"; do
+  case "$a" in
+    --no-default) with_default=0 ;;
+    *) die "unknown option $a" ;;
+  esac
+done
+
+for tool in apt-get apt-cache dpkg-deb cpio mkfs.ext4 qemu-system-x86_64; do
+  command -v "$tool" >/dev/null ||
+    die "$tool is missing: apt-get install --no-install-recommends qemu-system-x86 cpio e2fsprogs"
+done
+[ -x /bin/busybox ] || die "busybox is missing: apt-get install busybox-static"
+mkdir -p "$cache"
+# One build at a time per cache (a second caller waits, then finds it cached).
+exec 9>"$cache/.lab-build.lock"
+flock 9
+start=$(date +%s)
+
+# --- 1. The outer kernel: Debian's cloud kernel and its modules -------------
+meta=linux-image-cloud-amd64
+pkg=$(apt-cache depends "$meta" 2>/dev/null | awk '/Depends: linux-image-/ && !n++ { print $2 }')
+if [ -n "$pkg" ]; then
+  ver=$(apt-cache show --no-all-versions "$pkg" | awk '/^Version:/ && !n++ { print $2 }')
+  outer=$cache/lab-outer-${pkg}_$ver
+else
+  # No package lists (no apt-get update yet): an outer kernel fetched before will do.
+  outer=$(ls -dt "$cache"/lab-outer-linux-image-* 2>/dev/null | sed -n 1p)
+  [ -n "$outer" ] && [ -f "$outer/vmlinuz" ] || die "apt-cache knows no $meta: run apt-get update"
+  pkg=$(basename "$outer")
+  ver=cached
+fi
+# Modules the lab loads (KVM, and virtio-blk over PCI for the images disk);
+# their load order comes from the modules' own depends= lists.
+modules="kvm-amd kvm irqbypass virtio_blk virtio virtio_ring virtio_pci virtio_pci_legacy_dev virtio_pci_modern_dev"
+if [ ! -f "$outer/vmlinuz" ]; then
+  say "fetching $pkg $ver"
+  tmp=$(mktemp -d "$cache/lab-outer-tmp.XXXXXX")
+  tmps+=("$tmp")
+  chmod 0755 "$tmp"
+  (cd "$tmp" && apt-get download -q "$pkg=$ver" >&2) || die "apt-get download $pkg failed"
+  dpkg-deb -x "$tmp"/*.deb "$tmp/x"
+  release=$(ls "$tmp/x/lib/modules")
+  mkdir -p "$tmp/out/modules"
+  cp "$tmp/x/boot/vmlinuz-$release" "$tmp/out/vmlinuz"
+  for m in $modules; do
+    f=$(find "$tmp/x/lib/modules/$release" -name "$m.ko*" -print -quit)
+    [ -n "$f" ] || die "$pkg has no module $m"
+    case "$f" in
+      *.ko) cp "$f" "$tmp/out/modules/$m.ko" ;;
+      *.ko.xz) xz -dc "$f" >"$tmp/out/modules/$m.ko" ;;
+      *.ko.zst) zstd -qdc "$f" >"$tmp/out/modules/$m.ko" ;;
+      *) die "unknown module compression: $f" ;;
+    esac
+    # The modules must be the kernel's own build.
+    magic=$(grep -a -o -m1 'vermagic=[[:print:]]*' "$tmp/out/modules/$m.ko" | cut -d= -f2-)
+    case "$magic" in
+      "$release "*) ;;
+      *) die "$m.ko is for '$magic', not $release" ;;
+    esac
+  done
+  # Dependencies first.
+  order=
+  left=$modules
+  while [ -n "$left" ]; do
+    next=
+    for m in $left; do
+      deps=$(grep -a -o -m1 'depends=[[:print:]]*' "$tmp/out/modules/$m.ko" | cut -d= -f2- | tr ',' ' ')
+      ready=1
+      for d in $deps; do
+        d=${d//_/-}
+        case " ${modules//_/-} " in *" $d "*) ;; *) die "$m needs module $d, which the lab does not load" ;; esac
+        case " ${order//_/-} " in *" $d "*) ;; *) ready=0 ;; esac
+      done
+      if [ "$ready" = 1 ]; then order="$order $m"; else next="$next $m"; fi
+    done
+    [ "$next" != "$left" ] || die "module dependency cycle among:$left"
+    left=$next
+  done
+  echo $order >"$tmp/out/modules/order"
+  echo "$release" >"$tmp/out/release"
+  rm -rf "$outer"
+  mv "$tmp/out" "$outer"
+  rm -rf "$tmp"
+fi
+say "outer kernel: $pkg $ver ($(cat "$outer/release"))"
+
+# --- 2. What runs inside: guest kernel, images, sprout, the test guest ------
+vmlinux=${SPROUT_GUEST_KERNEL:-$("$root/guest/build-kernel.sh")}
+images=(test scratch)
+[ "$with_default" = 0 ] || images+=(default)
+declare -A image_path
+while read -r name path; do
+  image_path[$name]=$(readlink -f "$path")
+done < <("$root/guest/build-images.sh" "${images[@]}")
+
+# The host build of sprout (glibc), with the shared libraries it needs: the
+# workspace is not kept buildable for musl (see docs/guest.md).
+say "building sprout (release)"
+json=$(cd "$root" && cargo build --release --locked -p service --bin sprout \
+  --message-format=json-render-diagnostics) || die "building sprout failed"
+sprout=$root/target/release/sprout
+testguest=$(printf '%s\n' "$json" | grep -o '"TESTGUEST_PATH","[^"]*"' | tail -1 | cut -d'"' -f4)
+[ -x "$sprout" ] || die "no sprout binary at $sprout"
+[ -f "$testguest" ] || die "cannot find the test guest the sprout build made"
+# Every shared object sprout loads, the dynamic loader included (absolute paths).
+libs=$(ldd "$sprout" | grep -o '/[^ ]*' | sort -u)
+
+# --- 3. The lab itself, keyed by everything above -----------------------------
+key=$( {
+  echo "$pkg $ver"
+  # shellcheck disable=SC2086
+  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" $libs
+  for n in "${images[@]}"; do echo "$n ${image_path[$n]}"; done
+} | sha | cut -c1-16)
+lab=$cache/lab-$key
+if [ -f "$lab/initrd.cpio" ] && [ -f "$lab/images.ext4" ]; then
+  touch "$lab"
+  ln -sfn "lab-$key" "$cache/lab"
+  say "cached: $lab"
+  echo "$lab"
+  exit 0
+fi
+
+tmp=$(mktemp -d "$cache/lab-tmp.XXXXXX")
+tmps+=("$tmp")
+chmod 0755 "$tmp"
+say "assembling the initramfs"
+ird=$tmp/initrd
+mkdir -p "$ird"/{bin,dev,proc,sys,tmp,lib/modules,opt/sprout/bin,opt/sprout/images,lab}
+cp /bin/busybox "$ird/bin/busybox"
+install -m 0755 "$here/init" "$ird/init"
+cp "$outer"/modules/*.ko "$ird/lib/modules/"
+cp "$outer/modules/order" "$ird/lib/modules/order"
+strip -o "$ird/opt/sprout/bin/sprout" "$sprout"
+for lib in $libs; do
+  mkdir -p "$ird$(dirname "$lib")"
+  cp -L "$lib" "$ird$lib"
+done
+cp "$testguest" "$ird/opt/sprout/testguest"
+cp "$vmlinux" "$ird/opt/sprout/vmlinux"
+(cd "$ird" && find . | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) >"$tmp/initrd.cpio"
+
+say "assembling the images disk (${images[*]})"
+mkdir -p "$tmp/images"
+for n in "${images[@]}"; do
+  ln "${image_path[$n]}" "$tmp/images/$n.ext4" 2>/dev/null || cp --sparse=always "${image_path[$n]}" "$tmp/images/$n.ext4"
+done
+kib=$(du -sk --apparent-size "$tmp/images" | cut -f1)
+mkfs.ext4 -q -F -L sprout-images -O ^has_journal -m 0 -E root_owner=0:0 -d "$tmp/images" \
+  "$tmp/images.ext4" "$((kib + kib / 50 + 65536))k" || die "mkfs.ext4 failed for the images disk"
+rm -rf "$tmp/images" "$ird"
+cp "$outer/vmlinuz" "$tmp/vmlinuz"
+rm -rf "$lab"
+mv "$tmp" "$lab"
+ln -sfn "lab-$key" "$cache/lab"
+# Keep the two newest labs: an older one may still be in use by a test run.
+ls -dt "$cache"/lab-[0-9a-f]*[0-9a-f] 2>/dev/null | tail -n +3 | xargs -r rm -rf
+say "built $lab in $(($(date +%s) - start)) s (initrd $(du -h "$lab/initrd.cpio" | cut -f1), images disk $(du -h "$lab/images.ext4" | cut -f1) on disk)"
+echo "$lab"

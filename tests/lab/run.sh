@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Runs a shell script inside the emulated hardware-virtualization lab (built by
+# tests/lab/build.sh) and brings back its output and exit status.
+#
+# Usage: tests/lab/run.sh [--timeout SECS] [--smp N] [--log FILE] SCRIPT [FILE...]
+#   SCRIPT     a shell script (or - for stdin), run as /lab/script.sh with sh
+#              (busybox) in /tmp of the outer VM; PATH has sprout, and
+#              SPROUT_CACHE=/opt/sprout holds vmlinux, testguest and images/
+#   FILE...    extra files, copied to /lab/ beside the script
+#   --timeout  host-time limit in seconds (default 600): the outer VM runs on an
+#              emulated CPU, its own clock under-reports
+#   --smp      vCPUs of the outer VM (default: $SPROUT_LAB_SMP or 2)
+#   --log      keep the whole serial console (kernel messages included) here
+# Prints the script's output (between the lab's markers) on stdout and exits
+# with the script's status; 124 if the host-time limit passed, 125 if the lab
+# itself failed (no exit marker: the console is then printed on stderr).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${SPROUT_CACHE:-$HOME/.cache/sprout}
+lab=${SPROUT_LAB:-$cache/lab}
+timeout=600
+smp=${SPROUT_LAB_SMP:-2}
+log=
+
+say() { printf '[lab-run %s] %s\n' "$(date +%T)" "$*" >&2; }
+die() { say "error: $*"; exit 125; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --timeout) timeout=$2; shift 2 ;;
+    --smp) smp=$2; shift 2 ;;
+    --log) log=$2; shift 2 ;;
+    --) shift; break ;;
+    -?*) die "unknown option $1" ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 1 ] || die "usage: $0 [--timeout SECS] [--smp N] [--log FILE] SCRIPT [FILE...]"
+script=$1
+shift
+[ -f "$lab/initrd.cpio" ] && [ -f "$lab/vmlinuz" ] || die "the lab is not built at $lab: run tests/lab/build.sh"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 is missing: apt-get install --no-install-recommends qemu-system-x86"
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/sprout-lab.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+mkdir -p "$tmp/extra/lab"
+if [ "$script" = - ]; then
+  cat >"$tmp/extra/lab/script.sh"
+else
+  cp "$script" "$tmp/extra/lab/script.sh"
+fi
+for f in "$@"; do
+  cp "$f" "$tmp/extra/lab/"
+done
+# The per-run files ride in a second newc archive appended to the lab's:
+# Linux unpacks concatenated archives in order.
+(cd "$tmp/extra" && find lab | cpio -o -H newc -R 0:0 --quiet) >"$tmp/extra.cpio"
+cat "$lab/initrd.cpio" "$tmp/extra.cpio" >"$tmp/initrd"
+
+disk=()
+[ -f "$lab/images.ext4" ] && disk=(-drive "file=$lab/images.ext4,if=virtio,format=raw,readonly=on")
+console=${log:-$tmp/console}
+SECONDS=0
+set +e
+timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G -smp "$smp" \
+  -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
+  -append 'console=ttyS0 panic=-1 quiet' "${disk[@]}" </dev/null >"$console" 2>&1
+qemu_status=$?
+set -e
+say "outer VM ran ${SECONDS} s (host time)"
+
+tr -d '\r' <"$console" >"$tmp/console.txt"
+# (The outer console may put terminal escapes before a marker.)
+status=$(sed -n 's/^.*===SPROUT-LAB-EXIT \([0-9]*\)===$/\1/p' "$tmp/console.txt" | tail -1)
+# The script's output: everything between the markers.
+sed -n '/===SPROUT-LAB-BEGIN===$/,/===SPROUT-LAB-EXIT [0-9]*===$/p' "$tmp/console.txt" | sed '1d;$d'
+if [ -z "$status" ]; then
+  if [ "$qemu_status" = 124 ] || [ "$qemu_status" = 137 ]; then
+    say "timed out after $timeout s (host time); console:"
+    cat "$tmp/console.txt" >&2
+    exit 124
+  fi
+  say "the lab ended without its exit marker (QEMU status $qemu_status); console:"
+  cat "$tmp/console.txt" >&2
+  exit 125
+fi
+exit "$status"
