@@ -143,8 +143,45 @@ fn is_mount_point(path: &str) -> bool {
     }
 }
 
+/// The signal `reboot`, `halt` or `poweroff` (busybox) sent PID 1, 0 if none.
+static SHUTDOWN: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_shutdown_signal(sig: libc::c_int) {
+    SHUTDOWN.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// `reboot`, `halt` and `poweroff` in the guest signal PID 1 (SIGTERM,
+/// SIGUSR1, SIGUSR2): each ends the VM the one way a microVM has, a reboot
+/// (the VMM's i8042 reset). Without SA_RESTART the signal interrupts `wait`.
+fn catch_shutdown_signals() {
+    for sig in [libc::SIGTERM, libc::SIGUSR1, libc::SIGUSR2] {
+        // SAFETY: a zeroed sigaction with an async-signal-safe handler (one
+        // atomic store) and no flags is a valid argument; the old action is
+        // not needed.
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction =
+                on_shutdown_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            libc::sigemptyset(&mut act.sa_mask);
+            libc::sigaction(sig, &act, std::ptr::null_mut());
+        }
+    }
+}
+
+fn shutdown_if_asked() {
+    let sig = SHUTDOWN.load(std::sync::atomic::Ordering::SeqCst);
+    if sig != 0 {
+        info!("signal {sig}: syncing and rebooting");
+        rustix::fs::sync();
+        if let Err(e) = rustix::system::reboot(rustix::system::RebootCommand::Restart) {
+            error!("reboot failed: {e}");
+        }
+    }
+}
+
 /// Runs as PID 1: never returns (PID 1 exiting panics the kernel).
 pub fn run() -> ! {
+    catch_shutdown_signals();
     let opts = setup(|| std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
     let exe = std::env::current_exe().unwrap_or_else(|_| "/sbin/sprout-agent".into());
     let port = opts.port.to_string();
@@ -173,6 +210,7 @@ pub fn run() -> ! {
     };
     let mut agent: Option<Pid> = None;
     loop {
+        shutdown_if_asked();
         if agent.is_none() {
             match spawn() {
                 Ok(child) => {
