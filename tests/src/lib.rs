@@ -73,6 +73,15 @@ pub fn call(vm: &Vm, cpu: u8, cmd: u32, args: [u64; 4]) -> Reply {
     r
 }
 
+/// The checksum the test guest returns for `pages` pages at `gpa` filled by
+/// `CMD_FILL` with `seed`.
+pub fn pattern_checksum(seed: u64, gpa: u64, pages: u64) -> u64 {
+    use guest_abi::mailbox::{checksum_step, pattern_word};
+    (0..pages * 512).fold(0, |acc, i| {
+        checksum_step(acc, pattern_word(seed, gpa + i * 8))
+    })
+}
+
 /// Connects to a VM's vsock host socket and asks for guest `port` (the
 /// `CONNECT <port>` handshake); panics unless the guest accepts.
 pub fn host_connect(uds: &Path, port: u32) -> std::os::unix::net::UnixStream {

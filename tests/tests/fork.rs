@@ -5,8 +5,8 @@
 use std::os::unix::fs::FileExt;
 
 use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
-use guest_abi::mailbox::{self as mb, checksum_step, pattern_word};
-use sprout_tests::{boot, call, config, TempDir};
+use guest_abi::mailbox as mb;
+use sprout_tests::{boot, call, config, pattern_checksum, TempDir};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::{DiskConfig, ForkOptions, ShellPool, Vm};
 
@@ -14,16 +14,6 @@ const BIG: u64 = 4096; // 16 MiB
 const A: u64 = TESTGUEST_SCRATCH; // the parent's pattern
 const B: u64 = TESTGUEST_SCRATCH + 32 * MIB; // each child's own pattern
 const BUF: u64 = TESTGUEST_SCRATCH + 64 * MIB;
-
-fn sum(seed: u64, gpa: u64, pages: u64) -> u64 {
-    (0..pages * 512).fold(0, |acc, i| {
-        checksum_step(acc, pattern_word(seed, gpa + i * 8))
-    })
-}
-
-fn zeros(pages: u64) -> u64 {
-    (0..pages * 512).fold(0, |acc, _| checksum_step(acc, 0))
-}
 
 fn sector(tag: u64) -> Vec<u8> {
     (0..512u64).map(|i| (tag * 31 + i) as u8).collect()
@@ -85,13 +75,13 @@ fn eight_children_each_see_only_their_own_writes() {
         let id = 100 + i as u64;
         assert_eq!(
             call(c, 0, mb::CMD_CHECKSUM, [B, 256, 0, 0]).rets[0],
-            sum(id, B, 256)
+            pattern_checksum(id, B, 256)
         );
         assert_eq!(read_sector(c, 20), sector(id), "child {i} disk");
         // The parent's pre-fork state, not its later writes.
         assert_eq!(
             call(c, 0, mb::CMD_CHECKSUM, [A, BIG, 0, 0]).rets[0],
-            sum(1, A, BIG)
+            pattern_checksum(1, A, BIG)
         );
         assert_eq!(
             read_sector(c, 10),
@@ -102,11 +92,11 @@ fn eight_children_each_see_only_their_own_writes() {
     // The parent saw none of the children's writes.
     assert_eq!(
         call(&parent, 0, mb::CMD_CHECKSUM, [A, BIG, 0, 0]).rets[0],
-        sum(1, A, BIG)
+        pattern_checksum(1, A, BIG)
     );
     assert_eq!(
         call(&parent, 0, mb::CMD_CHECKSUM, [B, 256, 0, 0]).rets[0],
-        sum(7, B, 256)
+        pattern_checksum(7, B, 256)
     );
     assert_eq!(read_sector(&parent, 20), vec![0u8; 512]);
     let mut f = vec![0u8; 512];
@@ -120,7 +110,6 @@ fn eight_children_each_see_only_their_own_writes() {
         .read_exact_at(&mut f, 10 * 512)
         .unwrap();
     assert_eq!(f, sector(2000));
-    let _ = zeros;
 }
 
 #[test]
@@ -138,16 +127,16 @@ fn a_grandchild_sees_writes_before_its_fork_and_none_after() {
     call(&parent, 0, mb::CMD_FILL, [A, 64, 2, 0]);
     assert_eq!(
         call(&grandchild, 0, mb::CMD_CHECKSUM, [B, 64, 0, 0]).rets[0],
-        sum(5, B, 64)
+        pattern_checksum(5, B, 64)
     );
     assert_eq!(
         call(&grandchild, 0, mb::CMD_CHECKSUM, [A, 64, 0, 0]).rets[0],
-        sum(1, A, 64)
+        pattern_checksum(1, A, 64)
     );
     assert_eq!(call(&grandchild, 0, mb::CMD_COUNT, [1, 0, 0, 0]).rets[0], 4);
     assert_eq!(
         call(&child, 0, mb::CMD_CHECKSUM, [B, 64, 0, 0]).rets[0],
-        sum(6, B, 64)
+        pattern_checksum(6, B, 64)
     );
     // A user diff snapshot on an ephemeral fork layer is refused clearly.
     let e = child
@@ -170,7 +159,7 @@ fn children_outlive_their_parent_and_leave_no_files() {
     for c in &children {
         assert_eq!(
             call(c, 0, mb::CMD_CHECKSUM, [A, 64, 0, 0]).rets[0],
-            sum(3, A, 64)
+            pattern_checksum(3, A, 64)
         );
         call(c, 0, mb::CMD_FILL, [B, 16, 1, 0]);
     }

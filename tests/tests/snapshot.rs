@@ -6,18 +6,12 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
-use guest_abi::mailbox::{self as mb, checksum_step, pattern_word};
-use sprout_tests::{boot, call, config, host_connect, TempDir};
+use guest_abi::mailbox as mb;
+use sprout_tests::{boot, call, config, host_connect, pattern_checksum, TempDir};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::{DiskConfig, MemoryBackend, RestoreOptions, SnapshotKind, Vm, VsockConfig};
 
 const PAGES: u64 = 256; // 1 MiB pattern
-
-fn expected_checksum(seed: u64, gpa: u64, pages: u64) -> u64 {
-    (0..pages * 512).fold(0, |acc, i| {
-        checksum_step(acc, pattern_word(seed, gpa + i * 8))
-    })
-}
 
 fn opts(backend: MemoryBackend, dir: &TempDir, tag: &str) -> RestoreOptions {
     let mut o = RestoreOptions::new(backend);
@@ -48,14 +42,14 @@ fn counter_pattern_and_registers_continue_after_restore_with_each_backend() {
         assert_eq!(call(&r, 0, mb::CMD_COUNT, [5, 0, 0, 0]).rets[0], 1005);
         assert_eq!(call(&r, 1, mb::CMD_COUNT, [3, 0, 0, 0]).rets[0], 80);
         let c = call(&r, 0, mb::CMD_CHECKSUM, [gpa, PAGES, 0, 0]).rets[0];
-        assert_eq!(c, expected_checksum(0xabc, gpa, PAGES), "{backend:?}");
+        assert_eq!(c, pattern_checksum(0xabc, gpa, PAGES), "{backend:?}");
         // The guest keeps running: a fresh fill and a reset still work.
         call(&r, 1, mb::CMD_FILL, [gpa + 8 * MIB, 16, 1, 0]);
         drop(r);
     }
     // The original is untouched by its restores.
     let c = call(&vm, 0, mb::CMD_CHECKSUM, [gpa, PAGES, 0, 0]).rets[0];
-    assert_eq!(c, expected_checksum(0xdef, gpa, PAGES));
+    assert_eq!(c, pattern_checksum(0xdef, gpa, PAGES));
 }
 
 #[test]
@@ -116,7 +110,7 @@ fn a_diff_on_a_full_restores_the_later_state() {
         let r = Vm::restore(&diff, opts(backend, &dir, "d")).unwrap();
         assert_eq!(r.mailbox().unwrap().counter(0).unwrap(), 42);
         let cb = call(&r, 0, mb::CMD_CHECKSUM, [b, PAGES, 0, 0]).rets[0];
-        assert_eq!(cb, expected_checksum(2, b, PAGES), "{backend:?}");
+        assert_eq!(cb, pattern_checksum(2, b, PAGES), "{backend:?}");
         // Page `a` went back to zero; the rest of the full layer's pattern stays.
         let mut page = [1u8; 4096];
         r.memory().read_slice(&mut page, GuestAddress(a)).unwrap();
@@ -125,7 +119,7 @@ fn a_diff_on_a_full_restores_the_later_state() {
             "{backend:?}: zeroed page restored"
         );
         let rest = call(&r, 0, mb::CMD_CHECKSUM, [a + 4096, PAGES - 1, 0, 0]).rets[0];
-        assert_eq!(rest, expected_checksum(1, a + 4096, PAGES - 1));
+        assert_eq!(rest, pattern_checksum(1, a + 4096, PAGES - 1));
         // The full alone still restores the earlier state.
         let f = Vm::restore(&full, opts(backend, &dir, "f")).unwrap();
         assert_eq!(f.mailbox().unwrap().counter(0).unwrap(), 0);
@@ -335,7 +329,7 @@ fn restores_into_prebuilt_shells_with_each_backend() {
         let c = call(&r, 1, mb::CMD_CHECKSUM, [TESTGUEST_SCRATCH, PAGES, 0, 0]).rets[0];
         assert_eq!(
             c,
-            expected_checksum(9, TESTGUEST_SCRATCH, PAGES),
+            pattern_checksum(9, TESTGUEST_SCRATCH, PAGES),
             "{backend:?}"
         );
     }
