@@ -120,25 +120,52 @@ pub fn from_backing(backing: Backing) -> Result<GuestRam, MemoryError> {
     Ok(GuestRam { mem, size, backing })
 }
 
-/// Registers every region with KVM, slot `i` for region `i`, with dirty
-/// logging when `track_dirty`.
+/// Registers one guest memory slot: `len` bytes of host memory at `hva` as
+/// guest physical `gpa`.
+///
+/// # Safety
+/// `[hva, hva + len)` must stay mapped (it may be remapped in place) for as
+/// long as the VM fd exists; `Vm` closes the VM fd before unmapping memory.
+unsafe fn set_slot(
+    vm: &VmFd,
+    slot: u32,
+    gpa: u64,
+    len: u64,
+    hva: u64,
+    track_dirty: bool,
+) -> Result<(), MemoryError> {
+    let region = kvm_userspace_memory_region {
+        slot,
+        guest_phys_addr: gpa,
+        memory_size: len,
+        userspace_addr: hva,
+        flags: if track_dirty {
+            KVM_MEM_LOG_DIRTY_PAGES
+        } else {
+            0
+        },
+    };
+    // SAFETY: the caller keeps the range mapped for the VM fd's lifetime (see
+    // this function's contract); KVM only records it here.
+    unsafe { vm.set_user_memory_region(region) }.map_err(MemoryError::Register)
+}
+
+/// Registers every region of `mem` with KVM, slot `i` for region `i`, with
+/// dirty logging when `track_dirty`.
 pub fn register(vm: &VmFd, mem: &GuestMemoryMmap, track_dirty: bool) -> Result<(), MemoryError> {
     for (slot, r) in mem.iter().enumerate() {
-        let region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            guest_phys_addr: r.start_addr().0,
-            memory_size: r.len(),
-            userspace_addr: r.as_ptr() as u64,
-            flags: if track_dirty {
-                KVM_MEM_LOG_DIRTY_PAGES
-            } else {
-                0
-            },
-        };
-        // SAFETY: the region is a live host mapping of `memory_size` bytes owned
-        // by `mem`; the VMM keeps it mapped for as long as the VM fd exists (`Vm`
-        // stops every vCPU thread, then closes the VM fd, then unmaps memory).
-        unsafe { vm.set_user_memory_region(region) }.map_err(MemoryError::Register)?;
+        // SAFETY: the region is a live host mapping owned by `mem`, which the
+        // VMM keeps mapped until after the VM fd is closed.
+        unsafe {
+            set_slot(
+                vm,
+                slot as u32,
+                r.start_addr().0,
+                r.len(),
+                r.as_ptr() as u64,
+                track_dirty,
+            )
+        }?;
     }
     Ok(())
 }
@@ -155,21 +182,10 @@ pub fn register_range(
     let (regions, n) = layout::ram_regions(size);
     let mut offset = 0u64;
     for (slot, &(gpa, len)) in regions[..n].iter().enumerate() {
-        let region = kvm_userspace_memory_region {
-            slot: slot as u32,
-            guest_phys_addr: gpa,
-            memory_size: len,
-            userspace_addr: base as u64 + offset,
-            flags: if track_dirty {
-                KVM_MEM_LOG_DIRTY_PAGES
-            } else {
-                0
-            },
-        };
         // SAFETY: the caller owns `[base, base + size)` (a reservation that
         // becomes the VM's guest RAM and stays mapped until after the VM fd is
-        // closed); KVM only records the range here.
-        unsafe { vm.set_user_memory_region(region) }.map_err(MemoryError::Register)?;
+        // closed).
+        unsafe { set_slot(vm, slot as u32, gpa, len, base as u64 + offset, track_dirty) }?;
         offset += len;
     }
     Ok(())
