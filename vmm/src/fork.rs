@@ -125,12 +125,14 @@ impl Vm {
             });
         }
         let ids: Vec<u64> = (0..n).map(|_| crate::fork::new_instance_id()).collect();
+        // Loaded and verified once; every child maps the same layer stack.
+        let (chain, stack) = crate::persist::load_for_restore(&dir)?;
         let results: Vec<Result<Vm, PersistError>> = std::thread::scope(|s| {
             let handles: Vec<_> = shells
                 .into_iter()
                 .zip(&ids)
                 .map(|(shell, &id)| {
-                    let dir = &dir;
+                    let (chain, stack) = (&chain, stack.clone());
                     s.spawn(move || {
                         let mut o = RestoreOptions::new(opts.backend);
                         o.prefetch = false;
@@ -141,7 +143,7 @@ impl Vm {
                             .vsock_dir
                             .as_ref()
                             .map(|d| d.join(format!("vm-{id}.vsock")));
-                        let mut child = Vm::restore_impl(dir, o, shell)?;
+                        let mut child = Vm::restore_loaded(chain, stack, o, shell)?;
                         child.resume()?;
                         child.after_restore();
                         Ok(child)

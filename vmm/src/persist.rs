@@ -456,10 +456,20 @@ impl Vm {
         opts: RestoreOptions,
         shell: Option<VmShell>,
     ) -> Result<Vm, PersistError> {
+        let (chain, stack) = load_for_restore(dir)?;
+        Self::restore_loaded(&chain, stack, opts, shell)
+    }
+
+    /// Restores from a chain loaded (and verified) once, whose layer stack is
+    /// shared by every VM restored from it (a fork's children).
+    pub(crate) fn restore_loaded(
+        chain: &[Snapshot],
+        stack: Arc<LayerStack>,
+        opts: RestoreOptions,
+        shell: Option<VmShell>,
+    ) -> Result<Vm, PersistError> {
         let t0 = std::time::Instant::now();
         let phase = |what: &str| log::debug!("restore: {what} at {:?}", t0.elapsed());
-        let chain = Snapshot::load_chain(dir)?;
-        phase("snapshot loaded and verified");
         let top = chain
             .last()
             .ok_or_else(|| PersistError::Inconsistent("the snapshot chain is empty".into()))?;
@@ -505,8 +515,6 @@ impl Vm {
         }
 
         phase("KVM VM created");
-        let stack = LayerStack::open(&chain)?;
-        phase("layer stack open");
         let registered = reservation.is_some();
         let backing = match opts.backend {
             MemoryBackend::Mmap => Backing::Mmap(match reservation {
@@ -535,8 +543,8 @@ impl Vm {
                     populate_in_background: false,
                 };
                 Backing::Uffd(match reservation {
-                    Some(r) => UffdRestore::start_in(Arc::new(stack), mem_bytes, uopts, r)?,
-                    None => UffdRestore::start(Arc::new(stack), mem_bytes, uopts)?,
+                    Some(r) => UffdRestore::start_in(stack, mem_bytes, uopts, r)?,
+                    None => UffdRestore::start(stack, mem_bytes, uopts)?,
                 })
             }
         };
@@ -564,7 +572,7 @@ impl Vm {
             })
             .map_err(VmError::from)?;
         let mut spec = st.spec.clone();
-        let virtio = restore_virtio(&mut at, &st, &mut spec, &chain, &opts)?;
+        let virtio = restore_virtio(&mut at, &st, &mut spec, chain, &opts)?;
         let devices = DeviceHandles {
             serial,
             i8042,
@@ -599,7 +607,7 @@ impl Vm {
         let msrs = Arc::new(msrs);
         phase("threads started");
         let chain_depth = chain.len();
-        let parent = chain.into_iter().last();
+        let parent = chain.last().cloned();
         Ok(Vm {
             vcpus,
             event_loop,
@@ -643,6 +651,15 @@ impl Vm {
             _ => None,
         }
     }
+}
+
+/// Loads and verifies `dir`'s chain and opens its layer stack.
+pub(crate) fn load_for_restore(
+    dir: &Path,
+) -> Result<(Vec<Snapshot>, Arc<LayerStack>), PersistError> {
+    let chain = Snapshot::load_chain(dir)?;
+    let stack = Arc::new(LayerStack::open(&chain)?);
+    Ok((chain, stack))
 }
 
 static TOP_SEQ: AtomicU64 = AtomicU64::new(0);

@@ -120,7 +120,7 @@ impl SnapshotError {
 }
 
 /// A loaded, verified snapshot.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
