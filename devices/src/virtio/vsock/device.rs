@@ -1,9 +1,10 @@
 //! The virtio-vsock device: config space, the three queues, and moving packets between
 //! the queues and the [`Muxer`].
 
+use std::num::Wrapping;
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{debug, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
@@ -26,6 +27,9 @@ const QUEUE_SIZES: [u16; 3] = [QUEUE_SIZE; 3];
 const TX_BATCH: usize = QUEUE_SIZE as usize;
 /// Period of the timer that enforces connection deadlines, while any exist.
 const TICK: Duration = Duration::from_millis(250);
+/// Longest wait for the guest to handle a transport reset before host
+/// connects go through anyway.
+pub const RESET_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct Active {
     mem: GuestMemoryMmap,
@@ -51,6 +55,10 @@ pub struct Vsock {
     pub(super) acked_features: u64,
     pub(super) needs_reset: bool,
     pub(super) reset_event_pending: bool,
+    /// After a transport-reset event was delivered: the event queue's avail
+    /// index then, and when to stop waiting for the guest to post a new event
+    /// buffer (which drivers do once they have handled the event).
+    reset_ack: Option<(Wrapping<u16>, Instant)>,
     /// Set by `from_state` until the transport re-activates the device.
     pub(super) restored: Option<VirtioDeviceState>,
     scratch: Vec<u8>,
@@ -104,6 +112,7 @@ impl Vsock {
             acked_features: 0,
             needs_reset: false,
             reset_event_pending: false,
+            reset_ack: None,
             restored: None,
             scratch: vec![0; MAX_PKT_DATA as usize],
         })
@@ -125,8 +134,13 @@ impl Vsock {
     /// Tells the guest its transport was reset (VIRTIO_VSOCK_EVENT_TRANSPORT_RESET, e.g.
     /// after a snapshot restore) and drops every connection, closing their host streams.
     /// The event waits for an event-queue buffer if there is none yet.
+    /// Host connects wait until the guest has handled the event (at most
+    /// [`RESET_ACK_TIMEOUT`]), so that none is made before the guest's reset and
+    /// silently dropped by it.
     pub fn send_transport_reset(&mut self) {
         self.muxer.clear();
+        self.muxer.hold();
+        self.reset_ack = None;
         self.reset_event_pending = true;
         if self.process_evt() {
             self.signal();
@@ -158,6 +172,7 @@ impl Vsock {
         if self.active.is_none() || self.needs_reset {
             return;
         }
+        self.check_reset_ack();
         let mut notify = self.process_tx();
         notify |= self.process_rx();
         notify |= self.process_evt();
@@ -269,6 +284,30 @@ impl Vsock {
         notify
     }
 
+    /// Releases held host connects once the guest posted a new event buffer
+    /// after the reset event (it handled the event), or the wait timed out.
+    pub(super) fn check_reset_ack(&mut self) {
+        if !self.muxer.is_holding() || self.reset_event_pending {
+            return;
+        }
+        let Some((seen, deadline)) = self.reset_ack else {
+            return;
+        };
+        let acked = self.active.as_ref().is_some_and(|a| {
+            a.queues[EVQ]
+                .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
+                .is_ok_and(|idx| idx != seen)
+        });
+        let late = Instant::now() >= deadline;
+        if acked || late {
+            if late && !acked {
+                warn!("vsock: the guest did not acknowledge the transport reset; letting host connects through");
+            }
+            self.reset_ack = None;
+            self.muxer.release();
+        }
+    }
+
     /// Delivers a pending transport-reset event; true if an interrupt is due.
     fn process_evt(&mut self) -> bool {
         if !self.reset_event_pending || !self.queue_usable(EVQ) {
@@ -288,6 +327,10 @@ impl Vsock {
                 Ok(buf) => match buf.write(&a.mem, &[&id]) {
                     Ok(n) => {
                         self.reset_event_pending = false;
+                        let seen = a.queues[EVQ]
+                            .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
+                            .unwrap_or_default();
+                        self.reset_ack = Some((seen, Instant::now() + RESET_ACK_TIMEOUT));
                         n
                     }
                     Err(e) => {
@@ -357,6 +400,7 @@ impl VirtioDevice for Vsock {
         self.needs_reset = false;
         self.restored = None;
         self.reset_event_pending = false;
+        self.reset_ack = None;
         self.muxer.clear();
         self.wake();
     }

@@ -73,6 +73,7 @@ impl Vsock {
     fn on_timer(&mut self) {
         // Readable, so this does not block.
         let _ = self.timer.wait();
+        self.check_reset_ack();
         self.muxer.tick(Instant::now());
         if !self.muxer.has_deadlines() {
             // Disarming here cannot strand a later event of this fd in the current

@@ -12,6 +12,9 @@ pub struct Handshake {
     pub stream: UnixStream,
     line: Vec<u8>,
     pub deadline: Instant,
+    /// The port asked for, while the connection waits for the guest to finish
+    /// a transport reset.
+    pub held: Option<u32>,
 }
 
 /// Where a handshake stands after reading what the host sent so far.
@@ -31,6 +34,7 @@ impl Handshake {
             stream,
             line: Vec::with_capacity(MAX_CONNECT_LINE),
             deadline,
+            held: None,
         }
     }
 

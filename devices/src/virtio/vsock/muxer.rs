@@ -85,6 +85,11 @@ pub struct Muxer {
     poll_ops: Vec<PollOp>,
     /// Something may have a deadline: the timer should run.
     deadline_hint: bool,
+    /// Host connects wait (as held handshakes) until the guest has handled a
+    /// transport reset: a connection made before the guest's driver resets
+    /// its sockets would be dropped by it without a word to the host.
+    hold: bool,
+    held: Vec<RawFd>,
 }
 
 impl Muxer {
@@ -103,6 +108,29 @@ impl Muxer {
             rsts: VecDeque::new(),
             poll_ops: Vec::new(),
             deadline_hint: false,
+            hold: false,
+            held: Vec::new(),
+        }
+    }
+
+    /// Makes host connects wait until [`release`](Self::release).
+    pub fn hold(&mut self) {
+        self.hold = true;
+    }
+
+    pub fn is_holding(&self) -> bool {
+        self.hold
+    }
+
+    /// Lets held and later host connects through to the guest.
+    pub fn release(&mut self) {
+        self.hold = false;
+        for fd in std::mem::take(&mut self.held) {
+            let Some(port) = self.handshakes.get(&fd).and_then(|h| h.held) else {
+                continue; // timed out or hung up meanwhile
+            };
+            self.poll_ops.push(PollOp::Modify(fd, EventSet::IN));
+            self.host_connect(fd, port);
         }
     }
 
@@ -156,11 +184,22 @@ impl Muxer {
     /// The stream with this fd is ready for `set`.
     pub fn handle_fd(&mut self, fd: RawFd, set: EventSet) {
         if let Some(h) = self.handshakes.get_mut(&fd) {
+            if h.held.is_some() {
+                // Watched for nothing while held: only a hang-up or an error
+                // is reported, and the host gave up.
+                self.drop_handshake(fd);
+                return;
+            }
             match h.poll() {
                 Step::Wait => {}
                 Step::Fail => {
                     debug!("vsock: bad connect line from a host stream");
                     self.drop_handshake(fd);
+                }
+                Step::Connect(port) if self.hold => {
+                    h.held = Some(port);
+                    self.held.push(fd);
+                    self.poll_ops.push(PollOp::Modify(fd, EventSet::empty()));
                 }
                 Step::Connect(port) => self.host_connect(fd, port),
             }
@@ -448,6 +487,8 @@ impl Muxer {
         }
         self.rsts.clear();
         self.rxq.clear();
+        self.held.clear();
+        self.hold = false;
     }
 
     #[cfg(test)]

@@ -262,8 +262,58 @@ fn transport_reset_event_drops_connections() {
     lock(&h.dev).send_transport_reset();
     h.settle();
     assert_eq!(h.events.len(), 2);
+    // A host connect waits until the guest has handled the event, which it
+    // shows by posting a new event buffer: before that, the guest would drop
+    // the connection in its reset without telling the host.
+    let mut s = h.host(78);
+    h.expect_quiet();
+    h.add_event_buffer();
+    let (req, _) = h.expect_op(OP_REQUEST);
+    assert_eq!(req.dst_port, 78);
+    h.send(pkt(OP_RESPONSE, 78, req.src_port), &[]);
+    h.settle();
+    assert_eq!(read_line(&mut s), format!("OK {}", req.src_port));
     // The device still works afterwards.
-    h.host_established(78);
+    h.host_established(79);
+}
+
+#[test]
+fn a_guest_that_never_handles_the_reset_delays_host_connects_only_so_long() {
+    let mut h = H::new();
+    h.add_event_buffer();
+    h.settle();
+    lock(&h.dev).send_transport_reset();
+    h.settle();
+    assert_eq!(h.events.len(), 1);
+    let t = std::time::Instant::now();
+    // The host client retries, as the agent client does, until it is let in.
+    let (req, mut s) = loop {
+        let mut s = h.host(80);
+        let got = loop {
+            h.settle();
+            if let Some(i) = h.rx.iter().position(|p| p.0.op == OP_REQUEST) {
+                break Some(h.rx.remove(i).unwrap().0);
+            }
+            if is_closed(&mut s) {
+                break None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        if let Some(r) = got {
+            break (r, s);
+        }
+        assert!(
+            t.elapsed() < super::super::device::RESET_ACK_TIMEOUT * 3,
+            "never let through"
+        );
+    };
+    assert!(
+        t.elapsed()
+            >= super::super::device::RESET_ACK_TIMEOUT - std::time::Duration::from_millis(300)
+    );
+    h.send(pkt(OP_RESPONSE, 80, req.src_port), &[]);
+    h.settle();
+    assert_eq!(read_line(&mut s), format!("OK {}", req.src_port));
 }
 
 #[test]

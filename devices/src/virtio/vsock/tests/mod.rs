@@ -326,6 +326,20 @@ fn read_line(s: &mut UnixStream) -> String {
     String::from_utf8(line).unwrap()
 }
 
+/// Whether the device closed `s` (without waiting).
+fn is_closed(s: &mut UnixStream) -> bool {
+    s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 16];
+    let r = match s.read(&mut b) {
+        Ok(0) => true,
+        Err(e) if e.kind() == ErrorKind::ConnectionReset => true,
+        Err(e) if e.kind() == ErrorKind::WouldBlock => false,
+        r => panic!("unexpected bytes or error: {r:?}"),
+    };
+    s.set_nonblocking(false).unwrap();
+    r
+}
+
 fn assert_closed(s: &mut UnixStream) {
     let mut b = [0u8; 16];
     match s.read(&mut b) {
