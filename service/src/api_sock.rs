@@ -9,7 +9,13 @@
 //! fork N                     -> ok SOCK...  (N children, each with its own control
 //!                                           socket beside this one; 1 <= N <= 64)
 //! mailbox CPU CMD A0 A1 A2 A3 -> ok STATUS R0 R1 R2 R3   (test guest only)
+//! vsock                      -> ok PATH     (the VM's vsock socket, if it has one)
 //! ```
+//!
+//! A Linux VM's socket ([`ApiSocket::serve_linux`]) sends each forked child's
+//! agent a new identity (instance id, host name, clock, entropy with a CRNG
+//! reseed) before `fork` answers, so the first exec in a child is already
+//! re-identified.
 //!
 //! Lines are at most [`MAX_LINE`] bytes; longer ones are refused.
 
@@ -24,6 +30,8 @@ use anyhow::{bail, Context, Result};
 use vmm::vcpu::ExitSignal;
 use vmm::{ExitReason, ForkOptions, SnapshotKind, Vm};
 
+use crate::agent;
+
 pub const MAX_LINE: usize = 256;
 const MAILBOX_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -35,7 +43,12 @@ pub const MAX_FORK: usize = 64;
 #[derive(Default)]
 pub struct Children {
     live: Mutex<Vec<ApiSocket>>,
+    /// The family are Linux guests with the agent.
+    linux: bool,
 }
+
+/// How long a forked child's agent has to take its new identity.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The listening socket; removed on drop.
 pub struct ApiSocket {
@@ -52,6 +65,15 @@ impl ApiSocket {
     }
 
     /// [`ApiSocket::serve`], with children forked through it kept in `children`.
+    /// As [`serve`](Self::serve), for a Linux guest with the agent.
+    pub fn serve_linux(path: &Path, vm: Arc<Mutex<Vm>>) -> Result<Self> {
+        let children = Children {
+            live: Mutex::default(),
+            linux: true,
+        };
+        Self::serve_with(path, vm, Arc::new(children))
+    }
+
     pub fn serve_with(path: &Path, vm: Arc<Mutex<Vm>>, children: Arc<Children>) -> Result<Self> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
@@ -251,6 +273,9 @@ fn run_command(line: &str, ctx: &Ctx<'_>) -> Result<String> {
                 .map(Path::to_path_buf)
                 .unwrap_or_else(std::env::temp_dir);
             let kids = lock(vm).fork(n, &ForkOptions::new(&dir), None)?;
+            if ctx.children.linux {
+                refresh_children(&kids)?;
+            }
             let mut socks = Vec::with_capacity(n);
             let mut live = ctx.children.live.lock().unwrap_or_else(|p| p.into_inner());
             // Forget children that have stopped.
@@ -271,11 +296,63 @@ fn run_command(line: &str, ctx: &Ctx<'_>) -> Result<String> {
             }
             Ok(socks.join(" "))
         }
+        "vsock" => {
+            no_args(&args)?;
+            match lock(vm).vsock_uds() {
+                Some(p) => Ok(p.display().to_string()),
+                None => bail!("this VM has no vsock device"),
+            }
+        }
         "" => bail!("empty command"),
         other => {
             bail!(
-                "unknown command {other:?} (status, pause, resume, stop, snapshot, fork, mailbox)"
+                "unknown command {other:?} (status, pause, resume, stop, snapshot, fork, mailbox, vsock)"
             )
         }
     }
+}
+
+/// Sends every child its new identity, all at once; on any failure stops all
+/// of them (a child sharing its parent's random state must not be used).
+fn refresh_children(kids: &[Vm]) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let results = rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for (i, kid) in kids.iter().enumerate() {
+            let Some(uds) = kid.vsock_uds() else {
+                bail!("child {} has no vsock device", kid.instance_id());
+            };
+            let client = agent::client(uds);
+            let (exit, id) = (kid.exit_signal(), kid.instance_id());
+            set.spawn(async move {
+                let r = async {
+                    agent::wait_ready(&client, &exit, REFRESH_TIMEOUT).await?;
+                    agent::refresh_identity(&client, id).await
+                }
+                .await;
+                (i, r)
+            });
+        }
+        let mut out = Vec::new();
+        while let Some(r) = set.join_next().await {
+            out.push(r?);
+        }
+        Ok(out)
+    })?;
+    let failed: Vec<String> = results
+        .into_iter()
+        .filter_map(|(i, r)| r.err().map(|e| format!("child {i}: {e}")))
+        .collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    for kid in kids {
+        kid.exit_signal().set(ExitReason::Stopped);
+    }
+    bail!(
+        "the children could not be re-identified ({})",
+        failed.join("; ")
+    )
 }

@@ -20,8 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use guest_agent::client::{Client, ClientConfig, Endpoint, ExecEvent};
-use guest_agent::protocol::{Exec, DEFAULT_VSOCK_PORT};
+use crate::agent::{self, AgentError, Transfer};
 use vmm::vcpu::ExitSignal;
 use vmm::{ConsoleBuffer, DiskConfig, ExitReason, SerialOutput, Vm, VmConfig, VsockConfig};
 
@@ -76,6 +75,12 @@ pub enum LinuxError {
     EndedEarly(ExitReason, String),
     #[error("The command failed to run in the guest: {0}")]
     Exec(String),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("Cannot restore {0}")]
+    Restore(PathBuf, #[source] vmm::PersistError),
+    #[error("--exec, --put and --get need a Linux guest with the agent; this snapshot is of the test guest")]
+    NoAgent,
 }
 
 /// What `sprout vm run` asked for, for a Linux guest.
@@ -92,8 +97,9 @@ pub struct LinuxRun {
     pub memory_mib: u64,
     /// Appended to [`DEFAULT_CMDLINE`].
     pub cmdline: String,
-    /// A shell command line run in the guest (`/bin/sh -c`) through the agent.
-    pub exec: Option<String>,
+    /// Files in, a command, files out, through the agent; without one the
+    /// VM runs until it ends.
+    pub job: Job,
     /// Where the VM's vsock device listens; a private temporary path if `None`.
     pub vsock_uds: Option<PathBuf>,
     /// Serve the control socket here (without `--exec`).
@@ -109,7 +115,7 @@ impl LinuxRun {
             cpus: 1,
             memory_mib: 256,
             cmdline: String::new(),
-            exec: None,
+            job: Job::default(),
             vsock_uds: None,
             api_sock: None,
         }
@@ -290,16 +296,7 @@ impl Drop for Scratch {
 pub fn main(run: LinuxRun) -> ExitCode {
     match self::run(run) {
         Ok(code) => ExitCode::from(code),
-        Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            eprintln!("sprout: error: {msg}");
-            ExitCode::FAILURE
-        }
+        Err(e) => report(&e),
     }
 }
 
@@ -368,49 +365,147 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     let console = ConsoleBuffer::new(CONSOLE_CAP);
     // With --exec the console is kept for error reports (or shown on stderr
     // with SPROUT_CONSOLE=stderr); stdout is the command's.
-    cfg.serial = match (&run.exec, std::env::var("SPROUT_CONSOLE").as_deref()) {
-        (None, _) => SerialOutput::Stdout,
-        (Some(_), Ok("stderr")) => {
-            use std::os::fd::AsFd;
-            match std::io::stderr().as_fd().try_clone_to_owned() {
-                Ok(fd) => SerialOutput::File(Arc::new(Mutex::new(File::from(fd)))),
-                Err(_) => SerialOutput::Buffer(console.clone()),
-            }
-        }
-        (Some(_), _) => SerialOutput::Buffer(console.clone()),
-    };
+    cfg.serial = console_output(&run.job, &console);
 
-    let started = Instant::now();
     let vm = Vm::start(cfg)?;
+    let code = finish(vm, &uds, &run.job, run.api_sock.as_deref(), &console, false)?;
+    drop(scratch);
+    Ok(code)
+}
+
+/// Where the guest console goes: the terminal without a job; with one it is
+/// kept for error reports (or shown on stderr with `SPROUT_CONSOLE=stderr`),
+/// as stdout is the command's.
+fn console_output(job: &Job, console: &ConsoleBuffer) -> SerialOutput {
+    if job.is_empty() {
+        return SerialOutput::Stdout;
+    }
+    if std::env::var("SPROUT_CONSOLE").as_deref() == Ok("stderr") {
+        use std::os::fd::AsFd;
+        if let Ok(fd) = std::io::stderr().as_fd().try_clone_to_owned() {
+            return SerialOutput::File(Arc::new(Mutex::new(File::from(fd))));
+        }
+    }
+    SerialOutput::Buffer(console.clone())
+}
+
+/// Runs `job` in the started or restored Linux VM `vm` and stops it, or
+/// without a job serves it (and its control socket) until it ends. `refresh`:
+/// the VM was restored, so its guest is re-identified first.
+fn finish(
+    vm: Vm,
+    uds: &Path,
+    job: &Job,
+    api_sock: Option<&Path>,
+    console: &ConsoleBuffer,
+    refresh: bool,
+) -> Result<u8, LinuxError> {
     let exit = vm.exit_signal();
-    let code = match &run.exec {
-        None => {
-            let vm = Arc::new(Mutex::new(vm));
-            let api = run
-                .api_sock
-                .as_deref()
-                .map(|p| ApiSocket::serve(p, vm.clone()))
-                .transpose()
-                .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
-            let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
-            drop(api);
-            drop(vm);
-            eprintln!("sprout: VM ended: {reason}");
-            u8::from(!reason.is_clean())
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(LinuxError::Runtime)?;
+    let id = refresh.then(|| vm.instance_id());
+    if !job.is_empty() {
+        let r = rt.block_on(run_job(uds, job, &exit, console, id));
+        let reason = vm.stop();
+        log::debug!("VM stopped: {reason}");
+        return r;
+    }
+    if id.is_some() {
+        // Before anyone else reaches the guest through the control socket.
+        if let Err(e) = rt.block_on(run_job(uds, job, &exit, console, id)) {
+            vm.stop();
+            return Err(e);
         }
-        Some(cmd) => {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(LinuxError::Runtime)?;
-            let r = rt.block_on(exec(&uds, cmd, &exit, &console, started));
-            let reason = vm.stop();
-            log::debug!("VM stopped: {reason}");
-            r?
+    }
+    drop(rt);
+    let vm = Arc::new(Mutex::new(vm));
+    let api = api_sock
+        .map(|p| ApiSocket::serve_linux(p, vm.clone()))
+        .transpose()
+        .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
+    let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
+    drop(api);
+    drop(vm);
+    eprintln!("sprout: VM ended: {reason}");
+    Ok(u8::from(!reason.is_clean()))
+}
+
+/// What `sprout vm restore` asked for.
+#[derive(Clone, Debug)]
+pub struct Restore {
+    pub dir: PathBuf,
+    pub backend: vmm::MemoryBackend,
+    /// Where the VM's vsock device listens; a private temporary path if `None`.
+    pub vsock_uds: Option<PathBuf>,
+    pub api_sock: Option<PathBuf>,
+    /// Linux guests only.
+    pub job: Job,
+}
+
+/// Restores a snapshot of either guest and runs it like `sprout vm run`. A
+/// Linux guest's agent is sent a new identity (instance id, clock, entropy)
+/// before anything else reaches it. The exit status as [`run`]'s.
+pub fn restore(r: Restore) -> Result<u8, LinuxError> {
+    let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
+    let uds = r
+        .vsock_uds
+        .clone()
+        .unwrap_or_else(|| scratch.0.join("vsock.sock"));
+    let console = ConsoleBuffer::new(CONSOLE_CAP);
+    let mut o = vmm::RestoreOptions::new(r.backend);
+    o.serial = console_output(&r.job, &console);
+    o.vsock_uds = Some(uds.clone());
+    o.scratch_dir = scratch.0.clone();
+    let vm = Vm::restore(&r.dir, o).map_err(|e| LinuxError::Restore(r.dir.clone(), e))?;
+    let code = if vm.mailbox().is_some() || vm.vsock_uds().is_none() {
+        // The test guest (or a guest without an agent).
+        if !r.job.is_empty() {
+            vm.stop();
+            return Err(LinuxError::NoAgent);
         }
+        let exit = vm.exit_signal();
+        let vm = Arc::new(Mutex::new(vm));
+        let api = r
+            .api_sock
+            .as_deref()
+            .map(|p| ApiSocket::serve(p, vm.clone()))
+            .transpose()
+            .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
+        let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
+        drop(api);
+        eprintln!("sprout: VM ended: {reason}");
+        u8::from(!reason.is_clean())
+    } else {
+        finish(vm, &uds, &r.job, r.api_sock.as_deref(), &console, true)?
     };
     drop(scratch);
     Ok(code)
+}
+
+/// Runs `job` through the agent of an already running Linux VM whose vsock
+/// socket is `uds` (`sprout vm exec`).
+pub fn exec_in(uds: &Path, job: &Job) -> Result<u8, LinuxError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(LinuxError::Runtime)?;
+    // This process does not own the VM: nothing ends it from here.
+    let exit = ExitSignal::default();
+    rt.block_on(run_job(uds, job, &exit, &ConsoleBuffer::new(0), None))
+}
+
+/// Prints `e` with its causes as the CLI does; the failure exit status.
+pub fn report(e: &LinuxError) -> ExitCode {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    eprintln!("sprout: error: {msg}");
+    ExitCode::FAILURE
 }
 
 fn boot_timeout() -> Duration {
@@ -420,84 +515,89 @@ fn boot_timeout() -> Duration {
         .map_or(BOOT_TIMEOUT, Duration::from_secs)
 }
 
-/// Waits for the agent, runs `cmd` with `/bin/sh -c`, streams its output and
-/// returns its exit status.
-async fn exec(
+/// What to do in the guest once its agent answers: files in, one command,
+/// files out.
+#[derive(Clone, Debug, Default)]
+pub struct Job {
+    /// Host files copied into the guest before the command.
+    pub put: Vec<Transfer>,
+    /// A shell command line (`/bin/sh -c`); its status is the job's.
+    pub exec: Option<String>,
+    /// Guest files copied to the host after the command.
+    pub get: Vec<Transfer>,
+}
+
+impl Job {
+    pub fn is_empty(&self) -> bool {
+        self.put.is_empty() && self.exec.is_none() && self.get.is_empty()
+    }
+}
+
+/// Waits for the agent (re-identifying the guest first if `refresh` names its
+/// new instance id), then runs `job`; the command's exit status (0 without one).
+async fn run_job(
     uds: &Path,
+    job: &Job,
+    exit: &ExitSignal,
+    console: &ConsoleBuffer,
+    refresh: Option<u64>,
+) -> Result<u8, LinuxError> {
+    let client = agent::client(uds);
+    let limit = boot_timeout();
+    match agent::wait_ready(&client, exit, limit).await {
+        Ok(t) => {
+            // tests/lab/bench-boot.sh reads this line.
+            log::info!("agent ready {} us after start", t.as_micros());
+        }
+        Err(AgentError::Ended(r)) => return Err(LinuxError::EndedEarly(r, console.text())),
+        Err(AgentError::Timeout(l, e)) => {
+            return Err(LinuxError::AgentTimeout(l, e, console.text()))
+        }
+        Err(e) => return Err(LinuxError::Agent(e)),
+    }
+    if let Some(id) = refresh {
+        let t = Instant::now();
+        let done = agent::refresh_identity(&client, id).await?;
+        log::info!(
+            "identity refreshed in {} us: host name {}",
+            t.elapsed().as_micros(),
+            done.hostname.as_deref().unwrap_or("?")
+        );
+    }
+    run_transfers(&client, &job.put, true).await?;
+    let code = match &job.exec {
+        None => 0,
+        Some(cmd) => exec(&client, cmd, exit, console).await?,
+    };
+    run_transfers(&client, &job.get, false).await?;
+    Ok(code)
+}
+
+async fn run_transfers(
+    client: &guest_agent::client::Client,
+    list: &[Transfer],
+    put: bool,
+) -> Result<(), LinuxError> {
+    for t in list {
+        let n = if put {
+            agent::put(client, &t.from, &t.to).await?
+        } else {
+            agent::get(client, &t.from, &t.to).await?
+        };
+        log::info!("copied {} ({n} bytes) to {}", t.from, t.to);
+    }
+    Ok(())
+}
+
+/// Runs `cmd` with `/bin/sh -c`, streams its output and returns its exit status.
+async fn exec(
+    client: &guest_agent::client::Client,
     cmd: &str,
     exit: &ExitSignal,
     console: &ConsoleBuffer,
-    started: Instant,
 ) -> Result<u8, LinuxError> {
-    let client = Client::new(
-        Endpoint::Vsock {
-            uds_path: uds.to_owned(),
-            port: DEFAULT_VSOCK_PORT,
-        },
-        ClientConfig {
-            connect_timeout: Duration::from_secs(2),
-            ..ClientConfig::default()
-        },
-    );
-    let limit = boot_timeout();
-    loop {
-        if let Some(r) = exit.get() {
-            return Err(LinuxError::EndedEarly(r, console.text()));
-        }
-        match client.ping().await {
-            Ok(_) => break,
-            Err(e) if started.elapsed() > limit => {
-                return Err(LinuxError::AgentTimeout(
-                    limit,
-                    e.to_string(),
-                    console.text(),
-                ))
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-    // tests/lab/bench-boot.sh reads this line.
-    log::info!(
-        "agent ready {} us after start",
-        started.elapsed().as_micros()
-    );
-    let req = Exec {
-        command: cmd.to_owned(),
-        shell: true,
-        ..Exec::default()
-    };
-    let run = async {
-        let mut s = client
-            .exec(req)
-            .await
-            .map_err(|e| LinuxError::Exec(e.to_string()))?;
-        let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
-        loop {
-            match s.next_event().await {
-                Ok(Some(ExecEvent::Stdout(d))) => {
-                    let _ = out.write_all(&d).and_then(|()| out.flush());
-                }
-                Ok(Some(ExecEvent::Stderr(d))) => {
-                    let _ = err.write_all(&d).and_then(|()| err.flush());
-                }
-                Ok(Some(ExecEvent::Exit(e))) => {
-                    return Ok(match (e.code, e.signal) {
-                        (Some(c), _) => c.clamp(0, 255) as u8,
-                        (None, Some(sig)) => 128u8.saturating_add(sig.clamp(0, 127) as u8),
-                        (None, None) => 1,
-                    });
-                }
-                Ok(None) => {
-                    return Err(LinuxError::Exec(
-                        "the agent ended the exec without an exit status".into(),
-                    ))
-                }
-                Err(e) => return Err(LinuxError::Exec(e.to_string())),
-            }
-        }
-    };
     tokio::select! {
-        r = run => match r {
+        r = agent::exec_streamed(client, cmd) => match r {
             // The connection breaks when the command reboots the guest, a
             // little before the VM ends: give it that moment.
             Err(e) => match tokio::time::timeout(REBOOT_GRACE, ended(exit)).await {
@@ -505,9 +605,9 @@ async fn exec(
                     eprintln!("sprout: the guest ended the VM ({r}) while the command ran");
                     Ok(0)
                 }
-                _ => Err(e),
+                _ => Err(LinuxError::Exec(e.to_string())),
             },
-            r => r,
+            Ok(code) => Ok(code),
         },
         r = ended(exit) => {
             if r.is_clean() {

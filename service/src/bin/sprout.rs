@@ -53,6 +53,50 @@ enum VmCmd {
     Restore(RestoreArgs),
     /// Fork a running VM into N children; prints each child's control socket.
     Fork(ForkArgs),
+    /// Run a command (and copy files) in a running Linux VM through its agent.
+    Exec(ExecArgs),
+}
+
+#[derive(Args)]
+struct JobArgs {
+    /// Linux guests: run this shell command line in the guest through the
+    /// agent, stream its output and exit with its exit status.
+    #[arg(long)]
+    exec: Option<String>,
+    /// Linux guests: copy the host file LOCAL to REMOTE in the guest (beneath
+    /// /workspace) before the command; repeatable.
+    #[arg(long, value_name = "LOCAL:REMOTE")]
+    put: Vec<service::agent::Transfer>,
+    /// Linux guests: copy REMOTE in the guest (beneath /workspace) to the host
+    /// file LOCAL after the command; repeatable.
+    #[arg(long, value_name = "REMOTE:LOCAL")]
+    get: Vec<service::agent::Transfer>,
+}
+
+impl JobArgs {
+    fn into_job(self) -> service::linux::Job {
+        service::linux::Job {
+            put: self.put,
+            exec: self.exec,
+            get: self.get,
+        }
+    }
+}
+
+#[derive(Args)]
+struct ExecArgs {
+    /// The VM's control socket (its vsock socket is asked for).
+    #[arg(
+        long,
+        required_unless_present = "vsock_uds",
+        conflicts_with = "vsock_uds"
+    )]
+    api_sock: Option<PathBuf>,
+    /// The VM's vsock socket.
+    #[arg(long)]
+    vsock_uds: Option<PathBuf>,
+    #[command(flatten)]
+    job: JobArgs,
 }
 
 #[derive(Args)]
@@ -97,6 +141,8 @@ struct RestoreArgs {
     /// Serve a control socket here (see `sprout vm ctl`).
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    #[command(flatten)]
+    job: JobArgs,
 }
 
 #[derive(Args)]
@@ -109,10 +155,8 @@ struct RunArgs {
     /// image (read-only virtio-blk). For the test guest: any disk image.
     #[arg(long)]
     image: Option<String>,
-    /// Linux guests: run this shell command line in the guest through the
-    /// agent, print its output and exit with its exit status.
-    #[arg(long)]
-    exec: Option<String>,
+    #[command(flatten)]
+    job: JobArgs,
     /// Private writable disk (virtio-blk); created sparse if missing.
     #[arg(long)]
     disk: Option<PathBuf>,
@@ -128,11 +172,13 @@ struct RunArgs {
     /// Kernel command line (the VMM appends its virtio-mmio devices).
     #[arg(long, default_value = "")]
     cmdline: String,
-    /// Add a virtio-vsock device with this guest CID (>= 3).
+    /// Test guest: add a virtio-vsock device with this guest CID (>= 3).
     #[arg(long, requires = "vsock_uds")]
     vsock_cid: Option<u64>,
-    /// Unix socket the vsock device's host side listens on.
-    #[arg(long, requires = "vsock_cid")]
+    /// Unix socket the vsock device's host side listens on (Linux guests: a
+    /// private temporary path by default; the test guest also needs
+    /// --vsock-cid).
+    #[arg(long)]
     vsock_uds: Option<PathBuf>,
     /// Add a virtio-rng device.
     #[arg(long)]
@@ -169,7 +215,7 @@ impl RunArgs {
             cpus: self.cpus,
             memory_mib: self.memory_mib,
             cmdline: self.cmdline,
-            exec: self.exec,
+            job: self.job.into_job(),
             vsock_uds: self.vsock_uds,
             api_sock: self.api_sock,
         }
@@ -177,6 +223,9 @@ impl RunArgs {
 }
 
 fn run(a: RunArgs) -> Result<bool> {
+    if a.job.exec.is_some() || !a.job.put.is_empty() || !a.job.get.is_empty() {
+        bail!("--exec, --put and --get need a Linux guest with the agent, not the test guest");
+    }
     let mut cfg = VmConfig::new(kernel_path(a.kernel.as_deref().unwrap_or("testguest")));
     cfg.vcpus = a.cpus;
     cfg.mem_mib = a.memory_mib;
@@ -209,11 +258,15 @@ fn run(a: RunArgs) -> Result<bool> {
             id: "disk".into(),
         });
     }
-    if let (Some(cid), Some(uds)) = (a.vsock_cid, a.vsock_uds) {
-        cfg.vsock = Some(VsockConfig {
-            guest_cid: cid,
-            uds_path: uds,
-        });
+    match (a.vsock_cid, a.vsock_uds) {
+        (Some(cid), Some(uds)) => {
+            cfg.vsock = Some(VsockConfig {
+                guest_cid: cid,
+                uds_path: uds,
+            })
+        }
+        (None, Some(_)) => bail!("the test guest's vsock device needs --vsock-cid too"),
+        _ => {}
     }
     serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref())
 }
@@ -232,14 +285,58 @@ fn serve(vm: vmm::Vm, api_sock: Option<&std::path::Path>) -> Result<bool> {
     Ok(reason.is_clean())
 }
 
-fn restore(a: RestoreArgs) -> Result<bool> {
-    let mut o = vmm::RestoreOptions::new(a.memory_backend);
-    o.serial = SerialOutput::Stdout;
-    o.vsock_uds = a.vsock_uds;
-    let vm = vmm::Vm::restore(&a.dir, o)
-        .with_context(|| format!("Cannot restore {}", a.dir.display()))?;
-    serve(vm, a.api_sock.as_deref())
+fn restore(a: RestoreArgs) -> ExitCode {
+    let r = service::linux::Restore {
+        dir: a.dir,
+        backend: a.memory_backend,
+        vsock_uds: a.vsock_uds,
+        api_sock: a.api_sock,
+        job: a.job.into_job(),
+    };
+    match service::linux::restore(r) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => service::linux::report(&e),
+    }
 }
+
+fn exec(a: ExecArgs) -> ExitCode {
+    let uds = match (a.vsock_uds, a.api_sock) {
+        (Some(u), _) => Ok(u),
+        (None, Some(sock)) => {
+            wait_for_socket(&sock);
+            request(&sock, "vsock").map(PathBuf::from)
+        }
+        (None, None) => Err(anyhow::anyhow!("give --api-sock or --vsock-uds")),
+    };
+    let uds = match uds {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("sprout: error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let job = a.job.into_job();
+    if job.is_empty() {
+        eprintln!("sprout: error: nothing to do: give --exec, --put or --get");
+        return ExitCode::FAILURE;
+    }
+    match service::linux::exec_in(&uds, &job) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => service::linux::report(&e),
+    }
+}
+
+/// Gives a VM that is starting in the background a moment to create its
+/// control socket (`sprout vm run ... & sprout vm exec ...`).
+fn wait_for_socket(sock: &std::path::Path) {
+    let t = std::time::Instant::now();
+    while !sock.exists() && t.elapsed() < SOCKET_WAIT {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// How long `sprout vm exec` waits for a control socket to appear.
+const SOCKET_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn send(sock: &std::path::Path, line: &str) -> Result<bool> {
     let out = request(sock, line)?;
@@ -292,7 +389,8 @@ fn main() -> ExitCode {
                 )),
             }
         }
-        Cmd::Vm(VmCmd::Restore(a)) => restore(a),
+        Cmd::Vm(VmCmd::Restore(a)) => return restore(a),
+        Cmd::Vm(VmCmd::Exec(a)) => return exec(a),
         Cmd::Vm(VmCmd::Fork(a)) => {
             request(&a.api_sock, &format!("fork {}", a.count)).map(|socks| {
                 for sock in socks.split(' ') {

@@ -1,0 +1,237 @@
+//! The host's side of a Linux guest's agent, as the CLI (and later the
+//! service) uses it: waiting for the agent, re-identifying a restored or forked
+//! guest, running a command with its output streamed, and moving files.
+//!
+//! Everything here is async on the caller's runtime; the VM's own threads are
+//! never blocked by it.
+
+use std::io::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use guest_agent::client::{Client, ClientConfig, ClientError, Endpoint, ExecEvent, WriteOptions};
+use guest_agent::protocol::{
+    Bytes, Exec, Identity, IdentityDone, DEFAULT_VSOCK_PORT, IDENTITY_ENTROPY_LEN,
+};
+use vmm::vcpu::ExitSignal;
+use vmm::ExitReason;
+
+/// How often the agent is pinged while the guest boots or resumes.
+const POLL: Duration = Duration::from_millis(20);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("The agent did not answer within {0:?} (last error: {1})")]
+    Timeout(Duration, String),
+    #[error("The VM ended ({0}) before its agent answered")]
+    Ended(ExitReason),
+    #[error("The agent refused the identity refresh: {0}")]
+    Identity(String),
+    #[error("Cannot read the host's entropy: {0}")]
+    Entropy(std::io::Error),
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("{0}")]
+    File(String),
+}
+
+/// A client for the agent behind a VM's vsock socket `uds` (port 1024).
+pub fn client(uds: &Path) -> Client {
+    Client::new(
+        Endpoint::Vsock {
+            uds_path: uds.to_owned(),
+            port: DEFAULT_VSOCK_PORT,
+        },
+        ClientConfig {
+            connect_timeout: Duration::from_secs(2),
+            ..ClientConfig::default()
+        },
+    )
+}
+
+/// Pings the agent until it answers (how long that took), the VM ends, or
+/// `limit` passes.
+pub async fn wait_ready(
+    client: &Client,
+    exit: &ExitSignal,
+    limit: Duration,
+) -> Result<Duration, AgentError> {
+    let t = Instant::now();
+    loop {
+        if let Some(r) = exit.get() {
+            return Err(AgentError::Ended(r));
+        }
+        match client.ping().await {
+            Ok(_) => return Ok(t.elapsed()),
+            Err(e) if t.elapsed() > limit => return Err(AgentError::Timeout(limit, e.to_string())),
+            Err(_) => tokio::time::sleep(POLL).await,
+        }
+    }
+}
+
+/// The guest's instance id (and host name) for the VMM's process-local
+/// `instance_id`: `sprout-<pid>-<id>` in hex, unique on the host while this
+/// process lives (restores of one snapshot in two processes differ).
+pub fn instance_name(instance_id: u64) -> String {
+    format!("sprout-{:x}-{instance_id:x}", std::process::id())
+}
+
+/// A fresh identity: `instance_id`'s name, the host's wall clock now and 64
+/// bytes from the host's CSPRNG.
+pub fn fresh_identity(instance_id: u64) -> Result<Identity, AgentError> {
+    let mut entropy = vec![0u8; IDENTITY_ENTROPY_LEN];
+    rustix::rand::getrandom(&mut entropy, rustix::rand::GetRandomFlags::empty())
+        .map_err(|e| AgentError::Entropy(e.into()))?;
+    Ok(Identity {
+        instance_id: instance_name(instance_id),
+        unix_time_ns: now_ns(),
+        entropy: Bytes::from(entropy),
+        hostname: None,
+    })
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// Re-identifies the guest behind `client` after a restore or fork: new
+/// instance id and host name, the host's clock, entropy and a CRNG reseed.
+/// Fails if the agent could not set the clock or reseed the CRNG (a guest that
+/// shares its random state with a sibling is not usable).
+pub async fn refresh_identity(
+    client: &Client,
+    instance_id: u64,
+) -> Result<IdentityDone, AgentError> {
+    let done = client
+        .identity_refresh(fresh_identity(instance_id)?)
+        .await?;
+    if !(done.clock_set && done.entropy_added && done.crng_reseeded) {
+        return Err(AgentError::Identity(done.errors.join("; ")));
+    }
+    for e in &done.errors {
+        log::warn!("identity refresh: {e}");
+    }
+    Ok(done)
+}
+
+/// Runs `cmd` with `/bin/sh -c` in the guest, writing its output to this
+/// process's stdout and stderr as it arrives; its exit status (128 + signal if
+/// a signal ended it).
+pub async fn exec_streamed(client: &Client, cmd: &str) -> Result<u8, AgentError> {
+    let req = Exec {
+        command: cmd.to_owned(),
+        shell: true,
+        ..Exec::default()
+    };
+    let mut s = client.exec(req).await?;
+    let (mut out, mut err) = (std::io::stdout(), std::io::stderr());
+    loop {
+        match s.next_event().await? {
+            Some(ExecEvent::Stdout(d)) => {
+                let _ = out.write_all(&d).and_then(|()| out.flush());
+            }
+            Some(ExecEvent::Stderr(d)) => {
+                let _ = err.write_all(&d).and_then(|()| err.flush());
+            }
+            Some(ExecEvent::Exit(e)) => {
+                return Ok(match (e.code, e.signal) {
+                    (Some(c), _) => c.clamp(0, 255) as u8,
+                    (None, Some(sig)) => 128u8.saturating_add(sig.clamp(0, 127) as u8),
+                    (None, None) => 1,
+                });
+            }
+            None => {
+                return Err(AgentError::File(
+                    "the agent ended the exec without an exit status".into(),
+                ))
+            }
+        }
+    }
+}
+
+/// A `--put LOCAL:REMOTE` or `--get REMOTE:LOCAL` pair, split at the first `:`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    pub from: String,
+    pub to: String,
+}
+
+impl std::str::FromStr for Transfer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            Some((a, b)) if !a.is_empty() && !b.is_empty() => Ok(Self {
+                from: a.to_owned(),
+                to: b.to_owned(),
+            }),
+            _ => Err(format!("{s:?} is not SOURCE:DESTINATION")),
+        }
+    }
+}
+
+/// Copies the host file `local` to `remote` in the guest (relative to, or
+/// beneath, /workspace), streaming it; the bytes copied.
+pub async fn put(client: &Client, local: &str, remote: &str) -> Result<u64, AgentError> {
+    let mut f = tokio::fs::File::open(local)
+        .await
+        .map_err(|e| AgentError::File(format!("Cannot open {local}: {e}")))?;
+    let n = client
+        .write_file(remote, WriteOptions::default(), &mut f)
+        .await
+        .map_err(|e| AgentError::File(format!("Cannot write {remote} in the guest: {e}")))?;
+    Ok(n)
+}
+
+/// Copies `remote` in the guest to the host file `local` (created or
+/// truncated), streaming it; the bytes copied. A failed copy removes `local`.
+pub async fn get(client: &Client, remote: &str, local: &str) -> Result<u64, AgentError> {
+    let mut f = tokio::fs::File::create(local)
+        .await
+        .map_err(|e| AgentError::File(format!("Cannot create {local}: {e}")))?;
+    match client.download(remote, &mut f).await {
+        Ok(n) => {
+            f.sync_all()
+                .await
+                .map_err(|e| AgentError::File(format!("Cannot write {local}: {e}")))?;
+            Ok(n)
+        }
+        Err(e) => {
+            drop(f);
+            let _ = tokio::fs::remove_file(local).await;
+            Err(AgentError::File(format!(
+                "Cannot read {remote} from the guest: {e}"
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfers_parse() {
+        let t: Transfer = "a.txt:/workspace/b.txt".parse().unwrap();
+        assert_eq!(t.from, "a.txt");
+        assert_eq!(t.to, "/workspace/b.txt");
+        let t: Transfer = "x:y:z".parse().unwrap();
+        assert_eq!((t.from.as_str(), t.to.as_str()), ("x", "y:z"));
+        for bad in ["", "a", ":b", "a:"] {
+            assert!(bad.parse::<Transfer>().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn identities_differ() {
+        let a = fresh_identity(7).unwrap();
+        let b = fresh_identity(7).unwrap();
+        assert_eq!(a.instance_id, format!("sprout-{:x}-7", std::process::id()));
+        guest_agent::identity::validate(&a).unwrap();
+        assert_ne!(a.entropy, b.entropy);
+        let now = now_ns();
+        assert!(now >= a.unix_time_ns && now - a.unix_time_ns < 10_000_000_000);
+    }
+}
