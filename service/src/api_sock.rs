@@ -272,9 +272,18 @@ fn run_command(line: &str, ctx: &Ctx<'_>) -> Result<String> {
                 .parent()
                 .map(Path::to_path_buf)
                 .unwrap_or_else(std::env::temp_dir);
+            let t = std::time::Instant::now();
             let kids = lock(vm).fork(n, &ForkOptions::new(&dir), None)?;
+            log::info!(
+                "fork({n}): children running {} us after the request",
+                t.elapsed().as_micros()
+            );
             if ctx.children.linux {
                 refresh_children(&kids)?;
+                log::info!(
+                    "fork({n}): children re-identified {} us after the request",
+                    t.elapsed().as_micros()
+                );
             }
             let mut socks = Vec::with_capacity(n);
             let mut live = ctx.children.live.lock().unwrap_or_else(|p| p.into_inner());

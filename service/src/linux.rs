@@ -367,8 +367,17 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     // with SPROUT_CONSOLE=stderr); stdout is the command's.
     cfg.serial = console_output(&run.job, &console);
 
+    let started = Instant::now();
     let vm = Vm::start(cfg)?;
-    let code = finish(vm, &uds, &run.job, run.api_sock.as_deref(), &console, false)?;
+    let code = finish(
+        vm,
+        &uds,
+        &run.job,
+        run.api_sock.as_deref(),
+        &console,
+        false,
+        started,
+    )?;
     drop(scratch);
     Ok(code)
 }
@@ -399,6 +408,7 @@ fn finish(
     api_sock: Option<&Path>,
     console: &ConsoleBuffer,
     refresh: bool,
+    started: Instant,
 ) -> Result<u8, LinuxError> {
     let exit = vm.exit_signal();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -407,14 +417,14 @@ fn finish(
         .map_err(LinuxError::Runtime)?;
     let id = refresh.then(|| vm.instance_id());
     if !job.is_empty() {
-        let r = rt.block_on(run_job(uds, job, &exit, console, id));
+        let r = rt.block_on(run_job(uds, job, &exit, console, id, started));
         let reason = vm.stop();
         log::debug!("VM stopped: {reason}");
         return r;
     }
     if id.is_some() {
         // Before anyone else reaches the guest through the control socket.
-        if let Err(e) = rt.block_on(run_job(uds, job, &exit, console, id)) {
+        if let Err(e) = rt.block_on(run_job(uds, job, &exit, console, id, started)) {
             vm.stop();
             return Err(e);
         }
@@ -458,7 +468,9 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
     o.serial = console_output(&r.job, &console);
     o.vsock_uds = Some(uds.clone());
     o.scratch_dir = scratch.0.clone();
+    let started = Instant::now();
     let vm = Vm::restore(&r.dir, o).map_err(|e| LinuxError::Restore(r.dir.clone(), e))?;
+    log::info!("restored {} us after start", started.elapsed().as_micros());
     let code = if vm.mailbox().is_some() || vm.vsock_uds().is_none() {
         // The test guest (or a guest without an agent).
         if !r.job.is_empty() {
@@ -478,7 +490,15 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
         eprintln!("sprout: VM ended: {reason}");
         u8::from(!reason.is_clean())
     } else {
-        finish(vm, &uds, &r.job, r.api_sock.as_deref(), &console, true)?
+        finish(
+            vm,
+            &uds,
+            &r.job,
+            r.api_sock.as_deref(),
+            &console,
+            true,
+            started,
+        )?
     };
     drop(scratch);
     Ok(code)
@@ -493,7 +513,15 @@ pub fn exec_in(uds: &Path, job: &Job) -> Result<u8, LinuxError> {
         .map_err(LinuxError::Runtime)?;
     // This process does not own the VM: nothing ends it from here.
     let exit = ExitSignal::default();
-    rt.block_on(run_job(uds, job, &exit, &ConsoleBuffer::new(0), None))
+    let started = Instant::now();
+    rt.block_on(run_job(
+        uds,
+        job,
+        &exit,
+        &ConsoleBuffer::new(0),
+        None,
+        started,
+    ))
 }
 
 /// Prints `e` with its causes as the CLI does; the failure exit status.
@@ -541,13 +569,15 @@ async fn run_job(
     exit: &ExitSignal,
     console: &ConsoleBuffer,
     refresh: Option<u64>,
+    started: Instant,
 ) -> Result<u8, LinuxError> {
     let client = agent::client(uds);
     let limit = boot_timeout();
+    let us = || started.elapsed().as_micros();
     match agent::wait_ready(&client, exit, limit).await {
-        Ok(t) => {
-            // tests/lab/bench-boot.sh reads this line.
-            log::info!("agent ready {} us after start", t.as_micros());
+        Ok(_) => {
+            // tests/lab/bench-boot.sh and bench-sandbox.sh read these lines.
+            log::info!("agent ready {} us after start", us());
         }
         Err(AgentError::Ended(r)) => return Err(LinuxError::EndedEarly(r, console.text())),
         Err(AgentError::Timeout(l, e)) => {
@@ -556,18 +586,21 @@ async fn run_job(
         Err(e) => return Err(LinuxError::Agent(e)),
     }
     if let Some(id) = refresh {
-        let t = Instant::now();
         let done = agent::refresh_identity(&client, id).await?;
         log::info!(
-            "identity refreshed in {} us: host name {}",
-            t.elapsed().as_micros(),
+            "identity refreshed {} us after start: host name {}",
+            us(),
             done.hostname.as_deref().unwrap_or("?")
         );
     }
     run_transfers(&client, &job.put, true).await?;
     let code = match &job.exec {
         None => 0,
-        Some(cmd) => exec(&client, cmd, exit, console).await?,
+        Some(cmd) => {
+            let code = exec(&client, cmd, exit, console).await?;
+            log::info!("command ended {} us after start", us());
+            code
+        }
     };
     run_transfers(&client, &job.get, false).await?;
     Ok(code)
