@@ -36,6 +36,8 @@ const GUEST_CID: u64 = 3;
 /// How long to wait for the agent unless `SPROUT_BOOT_TIMEOUT` (seconds) says otherwise.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 const CONSOLE_CAP: usize = 64 * 1024;
+/// How long `sprout vm exec` waits for a VM's socket to appear.
+pub const SOCKET_WAIT: Duration = Duration::from_secs(5);
 /// How long a broken agent connection may precede the end of a rebooting VM.
 const REBOOT_GRACE: Duration = Duration::from_secs(10);
 const EXT4_MAGIC_OFFSET: u64 = 1024 + 0x38;
@@ -79,6 +81,8 @@ pub enum LinuxError {
     Agent(#[from] AgentError),
     #[error("Cannot restore {0}")]
     Restore(PathBuf, #[source] vmm::PersistError),
+    #[error("No VM listens on {0} (the socket did not appear within 5 s)")]
+    NoVm(PathBuf),
     #[error("--exec, --put and --get need a Linux guest with the agent; this snapshot is of the test guest")]
     NoAgent,
 }
@@ -505,23 +509,23 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
 }
 
 /// Runs `job` through the agent of an already running Linux VM whose vsock
-/// socket is `uds` (`sprout vm exec`).
+/// socket is `uds` (`sprout vm exec`). The socket may take a moment to appear
+/// (a VM started in the background), the agent as long as a boot.
 pub fn exec_in(uds: &Path, job: &Job) -> Result<u8, LinuxError> {
+    let t = Instant::now();
+    while !uds.exists() {
+        if t.elapsed() > SOCKET_WAIT {
+            return Err(LinuxError::NoVm(uds.to_owned()));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(LinuxError::Runtime)?;
     // This process does not own the VM: nothing ends it from here.
     let exit = ExitSignal::default();
-    let started = Instant::now();
-    rt.block_on(run_job(
-        uds,
-        job,
-        &exit,
-        &ConsoleBuffer::new(0),
-        None,
-        started,
-    ))
+    rt.block_on(run_job(uds, job, &exit, &ConsoleBuffer::new(0), None, t))
 }
 
 /// Prints `e` with its causes as the CLI does; the failure exit status.

@@ -81,6 +81,48 @@ fn bad_input_is_refused_clearly() {
 }
 
 #[test]
+fn agent_commands_are_refused_clearly_without_an_agent() {
+    let tg = testguest_build::TESTGUEST_PATH;
+    refused(
+        &["vm", "run", "--kernel", tg, "--exec", "true"],
+        "need a Linux guest",
+    );
+    refused(
+        &["vm", "run", "--kernel", tg, "--vsock-uds", "/tmp/x.sock"],
+        "--vsock-cid",
+    );
+    refused(
+        &["vm", "run", "--put", "nocolon", "--exec", "true"],
+        "is not SOURCE:DESTINATION",
+    );
+    refused(&["vm", "exec", "--exec", "true"], "--api-sock");
+    let t = std::time::Instant::now();
+    refused(
+        &[
+            "vm",
+            "exec",
+            "--vsock-uds",
+            "/nonexistent/v.sock",
+            "--exec",
+            "true",
+        ],
+        "No VM listens on /nonexistent/v.sock",
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(15));
+    refused(
+        &[
+            "vm",
+            "exec",
+            "--api-sock",
+            "/nonexistent/api.sock",
+            "--exec",
+            "true",
+        ],
+        "Cannot connect to /nonexistent/api.sock",
+    );
+}
+
+#[test]
 fn selftest_boots_runs_and_exits_zero() {
     let out = sprout(&[
         "vm",
@@ -205,6 +247,11 @@ fn snapshot_and_restore_through_the_cli() {
         assert!(ctl(&sock2, &["stop"]).0);
         assert!(r.0.wait().unwrap().success());
     }
+    // The test guest has no agent to run a command.
+    refused(
+        &["vm", "restore", out.to_str().unwrap(), "--exec", "true"],
+        "need a Linux guest",
+    );
     let bad = sprout(&["vm", "restore", tmp.join("nope").to_str().unwrap()]);
     assert!(!bad.status.success());
     let _ = std::fs::remove_dir_all(&tmp);

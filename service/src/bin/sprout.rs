@@ -330,13 +330,10 @@ fn exec(a: ExecArgs) -> ExitCode {
 /// control socket (`sprout vm run ... & sprout vm exec ...`).
 fn wait_for_socket(sock: &std::path::Path) {
     let t = std::time::Instant::now();
-    while !sock.exists() && t.elapsed() < SOCKET_WAIT {
+    while !sock.exists() && t.elapsed() < service::linux::SOCKET_WAIT {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
-
-/// How long `sprout vm exec` waits for a control socket to appear.
-const SOCKET_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn send(sock: &std::path::Path, line: &str) -> Result<bool> {
     let out = request(sock, line)?;
