@@ -434,9 +434,22 @@ fn finish(
         }
     }
     drop(rt);
+    serve(vm, api_sock, true)
+}
+
+/// Runs `vm` (with a control socket at `api_sock`; a Linux guest's re-identifies
+/// forked children) until it ends; 0 if the guest reset or powered off, else 1.
+pub fn serve(vm: Vm, api_sock: Option<&Path>, linux: bool) -> Result<u8, LinuxError> {
+    let exit = vm.exit_signal();
     let vm = Arc::new(Mutex::new(vm));
     let api = api_sock
-        .map(|p| ApiSocket::serve_linux(p, vm.clone()))
+        .map(|p| {
+            if linux {
+                ApiSocket::serve_linux(p, vm.clone())
+            } else {
+                ApiSocket::serve(p, vm.clone())
+            }
+        })
         .transpose()
         .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
     let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
@@ -481,18 +494,7 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
             vm.stop();
             return Err(LinuxError::NoAgent);
         }
-        let exit = vm.exit_signal();
-        let vm = Arc::new(Mutex::new(vm));
-        let api = r
-            .api_sock
-            .as_deref()
-            .map(|p| ApiSocket::serve(p, vm.clone()))
-            .transpose()
-            .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
-        let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
-        drop(api);
-        eprintln!("sprout: VM ended: {reason}");
-        u8::from(!reason.is_clean())
+        serve(vm, r.api_sock.as_deref(), false)?
     } else {
         finish(
             vm,

@@ -45,9 +45,12 @@ echo uuid: $(cat /proc/sys/kernel/random/uuid) $(cat /proc/sys/kernel/random/uui
 echo host: $(hostname)
 EOF
 for b in mmap uffd uffd; do
+  rm -f /tmp/got
   echo "host-before: $(now)"
-  sprout vm restore /tmp/snap --memory-backend $b --put /tmp/g.sh:g.sh --exec 'sh /workspace/g.sh'
+  sprout vm restore /tmp/snap --memory-backend $b --put /tmp/g.sh:g.sh --exec 'sh /workspace/g.sh' \
+    --get note:/tmp/got
   echo "status: $?"
+  echo "got: $(cat /tmp/got)"
   echo "host-after: $(now)"
 done
 "#
@@ -82,6 +85,8 @@ done
         );
     }
     assert_eq!(out.values("note:"), ["kept", "kept", "kept"], "{o}");
+    // --get brought the guest's file out.
+    assert_eq!(out.values("got:"), ["kept", "kept", "kept"], "{o}");
     // The wall clock was set from the host's: within 1 s of it.
     let (before, after, guest) = (
         out.values("host-before:"),

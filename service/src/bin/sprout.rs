@@ -15,11 +15,9 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use service::api_sock::ApiSocket;
 use vmm::{DiskConfig, SerialOutput, VmConfig, VsockConfig};
 
 #[derive(Parser)]
@@ -268,21 +266,7 @@ fn run(a: RunArgs) -> Result<bool> {
         (None, Some(_)) => bail!("the test guest's vsock device needs --vsock-cid too"),
         _ => {}
     }
-    serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref())
-}
-
-/// Runs `vm` (with a control socket at `api_sock`) until it ends.
-fn serve(vm: vmm::Vm, api_sock: Option<&std::path::Path>) -> Result<bool> {
-    let exit = vm.exit_signal();
-    let vm = Arc::new(Mutex::new(vm));
-    let api = api_sock
-        .map(|p| ApiSocket::serve(p, vm.clone()))
-        .transpose()?;
-    let reason = exit.wait(None).unwrap_or(vmm::ExitReason::Stopped);
-    drop(api);
-    drop(vm);
-    eprintln!("sprout: VM ended: {reason}");
-    Ok(reason.is_clean())
+    Ok(service::linux::serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref(), false)? == 0)
 }
 
 fn restore(a: RestoreArgs) -> ExitCode {
