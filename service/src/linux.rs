@@ -422,6 +422,9 @@ fn finish(
     let id = refresh.then(|| vm.instance_id());
     if !job.is_empty() {
         let r = rt.block_on(run_job(uds, job, &exit, console, id, started));
+        if r.is_ok() {
+            save_working_set(&vm);
+        }
         let reason = vm.stop();
         log::debug!("VM stopped: {reason}");
         return r;
@@ -432,9 +435,21 @@ fn finish(
             vm.stop();
             return Err(e);
         }
+        save_working_set(&vm);
     }
     drop(rt);
     serve(vm, api_sock, true)
+}
+
+/// A uffd restore's first moments were recorded: keep them as the snapshot's
+/// working set, which later restores prefetch (a no-op for mmap restores and
+/// snapshots that have one).
+fn save_working_set(vm: &Vm) {
+    match vm.save_working_set() {
+        Ok(true) => log::info!("saved the snapshot's working set for later restores"),
+        Ok(false) => {}
+        Err(e) => log::warn!("cannot save the snapshot's working set: {e}"),
+    }
 }
 
 /// Runs `vm` (with a control socket at `api_sock`; a Linux guest's re-identifies
