@@ -9,18 +9,21 @@
 #   FILE...    extra files, copied to /lab/ beside the script
 #   --timeout  host-time limit in seconds (default 600): the outer VM runs on an
 #              emulated CPU, its own clock under-reports
-#   --smp      vCPUs of the outer VM (default: $SPROUT_LAB_SMP or 2)
+#   --smp      vCPUs of the outer VM (default: $SPROUT_LAB_SMP or 1: with 2,
+#              the outer kernel's KVM once locked up with both emulated CPUs
+#              spinning, "soft lockup" in kvm-pit and a kworker; 1 is as fast)
 #   --log      keep the whole serial console (kernel messages included) here
 # Prints the script's output (between the lab's markers) on stdout and exits
 # with the script's status; 124 if the host-time limit passed, 125 if the lab
-# itself failed (no exit marker: the console is then printed on stderr).
+# itself failed (no exit marker: the console is then printed on stderr), 126 if
+# the outer kernel locked up (it panics on a soft lockup rather than hang).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${SPROUT_CACHE:-$HOME/.cache/sprout}
 lab=${SPROUT_LAB:-$cache/lab}
 timeout=600
-smp=${SPROUT_LAB_SMP:-2}
+smp=${SPROUT_LAB_SMP:-1}
 log=
 
 say() { printf '[lab-run %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -68,7 +71,7 @@ SECONDS=0
 set +e
 timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G -smp "$smp" \
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
-  -append "console=ttyS0 panic=-1 quiet lab.diag=$diag" "${disk[@]}" </dev/null >"$console" 2>&1
+  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag" "${disk[@]}" </dev/null >"$console" 2>&1
 qemu_status=$?
 set -e
 say "outer VM ran ${SECONDS} s (host time)"
@@ -83,6 +86,11 @@ if [ -z "$status" ]; then
     say "timed out after $timeout s (host time); console:"
     cat "$tmp/console.txt" >&2
     exit 124
+  fi
+  if grep -q 'soft lockup' "$tmp/console.txt"; then
+    say "the lab's own kernel locked up (soft lockup: a failure of the emulated machine); console:"
+    cat "$tmp/console.txt" >&2
+    exit 126
   fi
   say "the lab ended without its exit marker (QEMU status $qemu_status); console:"
   cat "$tmp/console.txt" >&2

@@ -26,6 +26,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// `tests/lab/run.sh` exit codes that mean the lab itself failed.
 const LAB_TIMEOUT: i32 = 124;
 const LAB_BROKEN: i32 = 125;
+const LAB_LOCKUP: i32 = 126;
 
 /// What a script printed inside the lab and how it ended.
 #[derive(Debug)]
@@ -104,16 +105,16 @@ impl Script {
         ensure_built(&root);
         let _slot = Slot::take();
         let first = self.run_once(&root);
-        if first.status != LAB_TIMEOUT {
+        if first.status != LAB_TIMEOUT && first.status != LAB_LOCKUP {
             return self.judge(first);
         }
         // The lab is an emulated machine running an emulated one; a run that
-        // hangs there is retried once, loudly, and its state dump kept in
-        // the test's output. Twice is a failure.
+        // hangs there, or whose outer kernel locks up, is retried once,
+        // loudly, and its console kept in the test's output. Twice is a failure.
         eprintln!(
-            "lab: the run passed its {:?} host-time limit; retrying once. First attempt:\n\
-             --- output ---\n{}\n--- lab ---\n{}",
-            self.timeout, first.stdout, first.stderr
+            "lab: the run hung or the lab's kernel locked up (status {}); retrying once. \
+             First attempt:\n--- output ---\n{}\n--- lab ---\n{}",
+            first.status, first.stdout, first.stderr
         );
         let second = self.run_once(&root);
         self.judge(second)
@@ -148,6 +149,10 @@ impl Script {
             LAB_TIMEOUT => panic!(
                 "the lab run passed its {:?} host-time limit\n--- output ---\n{}\n--- lab ---\n{}",
                 self.timeout, out.stdout, out.stderr
+            ),
+            LAB_LOCKUP => panic!(
+                "the lab's own kernel locked up\n--- output ---\n{}\n--- lab ---\n{}",
+                out.stdout, out.stderr
             ),
             LAB_BROKEN => panic!(
                 "the lab failed (see its console)\n--- output ---\n{}\n--- lab ---\n{}",
