@@ -8,9 +8,13 @@
 //!
 //! End: when the process exits, the agent reads what is left in the pipes until they
 //! close, giving up [`DRAIN_IDLE`] after the last chunk (or [`DRAIN_MAX`] after the
-//! exit) when a background process keeps them open; then it sends `Exit`.
+//! exit) when a background process keeps them open; then it sends `Exit`. Output
+//! already in a pipe is never given up on before [`DRAIN_MAX`], however busy the machine
+//! (the pipe readers may not have run yet), and a chunk read as the drain ends is still
+//! sent.
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -219,7 +223,22 @@ where
         return Err(e);
     }
 
-    let (tx, rx) = mpsc::channel(FRAME_QUEUE);
+    // The pipes' read ends, duplicated: the drain asks them for unread output.
+    let pipes: Vec<OwnedFd> = [
+        child
+            .stdout
+            .as_ref()
+            .map(|p| p.as_fd().try_clone_to_owned()),
+        child
+            .stderr
+            .as_ref()
+            .map(|p| p.as_fd().try_clone_to_owned()),
+    ]
+    .into_iter()
+    .flatten()
+    .filter_map(Result::ok)
+    .collect();
+    let (tx, mut rx) = mpsc::channel(FRAME_QUEUE);
     let out_stats = Arc::new(StreamStats::default());
     let err_stats = Arc::new(StreamStats::default());
     let pumps = [
@@ -248,11 +267,18 @@ where
     let watcher = tokio::spawn(watch(reader.clone(), stdin_stream, id));
 
     let deadline = req.timeout_ms.map(|ms| start + Duration::from_millis(ms));
-    let run = supervise(child, pgid, deadline, rx, watcher, w).await;
+    let run = supervise(child, pgid, deadline, &mut rx, &pipes, watcher, w).await;
 
     for task in pumps.into_iter().flatten().chain(feeder) {
         task.abort();
         let _ = task.await;
+    }
+    // A pump that was reading as the drain ended has queued what it read.
+    let mut client_ok = run.client_ok;
+    while let Ok(frame) = rx.try_recv() {
+        if client_ok && w.write_all(&frame).await.is_err() {
+            client_ok = false;
+        }
     }
     let exit = Exit {
         code: run.status.code(),
@@ -268,7 +294,7 @@ where
         stderr_bytes: err_stats.total.load(Ordering::Relaxed),
     };
     debug!("exec {exec_id}: {exit:?}");
-    if !run.client_ok {
+    if !client_ok {
         return Err(WireError::Io(std::io::ErrorKind::ConnectionAborted.into()));
     }
     write_frame(w, id, &exit.into()).await
@@ -287,7 +313,8 @@ async fn supervise<W: AsyncWrite + Unpin>(
     mut child: Child,
     pgid: Pid,
     deadline: Option<Instant>,
-    mut rx: mpsc::Receiver<Vec<u8>>,
+    rx: &mut mpsc::Receiver<Vec<u8>>,
+    pipes: &[OwnedFd],
     mut watcher: JoinHandle<()>,
     w: &mut W,
 ) -> RunEnd {
@@ -345,7 +372,19 @@ async fn supervise<W: AsyncWrite + Unpin>(
                 client_ok = false;
                 let _ = kill_process_group(pgid, Signal::KILL);
             },
-            _ = sleep_until(drain_until), if exited.is_some() => break,
+            _ = sleep_until(drain_until), if exited.is_some() => {
+                // Output still in a pipe is the process's, not yet read because the
+                // readers did not get to run (a busy machine): wait for it. Only open,
+                // empty pipes are given up on.
+                let now = Instant::now();
+                let unread = pipes
+                    .iter()
+                    .any(|p| rustix::io::ioctl_fionread(p).is_ok_and(|n| n > 0));
+                if !unread || now >= drain_max {
+                    break;
+                }
+                drain_until = (now + DRAIN_IDLE).min(drain_max);
+            },
         }
     }
     if watching {
