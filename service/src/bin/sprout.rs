@@ -310,11 +310,12 @@ fn exec(a: ExecArgs) -> ExitCode {
     }
 }
 
-/// Gives a VM that is starting in the background a moment to create its
-/// control socket (`sprout vm run ... & sprout vm exec ...`).
+/// Gives a VM that is starting in the background a moment to serve its
+/// control socket (`sprout vm run ... & sprout vm exec ...`): until a connect
+/// succeeds, as the socket file appears (bind) just before it listens.
 fn wait_for_socket(sock: &std::path::Path) {
     let t = std::time::Instant::now();
-    while !sock.exists() && t.elapsed() < service::linux::SOCKET_WAIT {
+    while UnixStream::connect(sock).is_err() && t.elapsed() < service::linux::SOCKET_WAIT {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
