@@ -55,10 +55,11 @@ pub struct Vsock {
     pub(super) acked_features: u64,
     pub(super) needs_reset: bool,
     pub(super) reset_event_pending: bool,
-    /// After a transport-reset event was delivered: the event queue's avail
-    /// index then, and when to stop waiting for the guest to post a new event
-    /// buffer (which drivers do once they have handled the event).
-    reset_ack: Option<(Wrapping<u16>, Instant)>,
+    /// While host connects are held after a transport reset: when to stop
+    /// waiting for the guest, and (once the event is delivered) the event
+    /// queue's avail index then: a guest posts a new event buffer once it has
+    /// handled the event.
+    reset_ack: Option<(Option<Wrapping<u16>>, Instant)>,
     /// Set by `from_state` until the transport re-activates the device.
     pub(super) restored: Option<VirtioDeviceState>,
     scratch: Vec<u8>,
@@ -140,7 +141,7 @@ impl Vsock {
     pub fn send_transport_reset(&mut self) {
         self.muxer.clear();
         self.muxer.hold();
-        self.reset_ack = None;
+        self.reset_ack = Some((None, Instant::now() + RESET_ACK_TIMEOUT));
         self.reset_event_pending = true;
         if self.process_evt() {
             self.signal();
@@ -287,21 +288,24 @@ impl Vsock {
     /// Releases held host connects once the guest posted a new event buffer
     /// after the reset event (it handled the event), or the wait timed out.
     pub(super) fn check_reset_ack(&mut self) {
-        if !self.muxer.is_holding() || self.reset_event_pending {
+        if !self.muxer.is_holding() {
             return;
         }
         let Some((seen, deadline)) = self.reset_ack else {
+            self.muxer.release();
             return;
         };
-        let acked = self.active.as_ref().is_some_and(|a| {
-            a.queues[EVQ]
-                .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
-                .is_ok_and(|idx| idx != seen)
+        let acked = seen.is_some_and(|seen| {
+            self.active.as_ref().is_some_and(|a| {
+                a.queues[EVQ]
+                    .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
+                    .is_ok_and(|idx| idx != seen)
+            })
         });
         let late = Instant::now() >= deadline;
         if acked || late {
-            if late && !acked {
-                warn!("vsock: the guest did not acknowledge the transport reset; letting host connects through");
+            if !acked {
+                warn!("vsock: the guest did not handle the transport reset in time; letting host connects through");
             }
             self.reset_ack = None;
             self.muxer.release();
@@ -330,7 +334,9 @@ impl Vsock {
                         let seen = a.queues[EVQ]
                             .avail_idx(&a.mem, std::sync::atomic::Ordering::Acquire)
                             .unwrap_or_default();
-                        self.reset_ack = Some((seen, Instant::now() + RESET_ACK_TIMEOUT));
+                        if let Some((at, _)) = &mut self.reset_ack {
+                            *at = Some(seen);
+                        }
                         n
                     }
                     Err(e) => {
