@@ -142,11 +142,7 @@ pub async fn exec_streamed(client: &Client, cmd: &str) -> Result<u8, AgentError>
                     (None, None) => 1,
                 });
             }
-            None => {
-                return Err(AgentError::File(
-                    "the agent ended the exec without an exit status".into(),
-                ))
-            }
+            None => return Err(AgentError::Client(ClientError::Disconnected)),
         }
     }
 }

@@ -321,8 +321,9 @@ fn run_command(line: &str, ctx: &Ctx<'_>) -> Result<String> {
     }
 }
 
-/// Sends every child its new identity, all at once; on any failure stops all
-/// of them (a child sharing its parent's random state must not be used).
+/// Sends every child its new identity, all at once. On any failure the caller
+/// drops (stops) all of them: a child sharing its parent's random state must
+/// not be used.
 fn refresh_children(kids: &[Vm]) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -356,9 +357,6 @@ fn refresh_children(kids: &[Vm]) -> Result<()> {
         .collect();
     if failed.is_empty() {
         return Ok(());
-    }
-    for kid in kids {
-        kid.exit_signal().set(ExitReason::Stopped);
     }
     bail!(
         "the children could not be re-identified ({})",

@@ -288,11 +288,8 @@ impl Vsock {
     /// Releases held host connects once the guest posted a new event buffer
     /// after the reset event (it handled the event), or the wait timed out.
     pub(super) fn check_reset_ack(&mut self) {
-        if !self.muxer.is_holding() {
-            return;
-        }
+        // Set with the muxer's hold, and cleared with it (here, or by a reset).
         let Some((seen, deadline)) = self.reset_ack else {
-            self.muxer.release();
             return;
         };
         let acked = seen.is_some_and(|seen| {

@@ -89,7 +89,6 @@ pub struct Muxer {
     /// transport reset: a connection made before the guest's driver resets
     /// its sockets would be dropped by it without a word to the host.
     hold: bool,
-    held: Vec<RawFd>,
 }
 
 impl Muxer {
@@ -109,7 +108,6 @@ impl Muxer {
             poll_ops: Vec::new(),
             deadline_hint: false,
             hold: false,
-            held: Vec::new(),
         }
     }
 
@@ -118,17 +116,15 @@ impl Muxer {
         self.hold = true;
     }
 
-    pub fn is_holding(&self) -> bool {
-        self.hold
-    }
-
     /// Lets held and later host connects through to the guest.
     pub fn release(&mut self) {
         self.hold = false;
-        for fd in std::mem::take(&mut self.held) {
-            let Some(port) = self.handshakes.get(&fd).and_then(|h| h.held) else {
-                continue; // timed out or hung up meanwhile
-            };
+        let held: Vec<(RawFd, u32)> = self
+            .handshakes
+            .iter()
+            .filter_map(|(fd, h)| h.held.map(|port| (*fd, port)))
+            .collect();
+        for (fd, port) in held {
             self.poll_ops.push(PollOp::Modify(fd, EventSet::IN));
             self.host_connect(fd, port);
         }
@@ -198,7 +194,6 @@ impl Muxer {
                 }
                 Step::Connect(port) if self.hold => {
                     h.held = Some(port);
-                    self.held.push(fd);
                     self.poll_ops.push(PollOp::Modify(fd, EventSet::empty()));
                 }
                 Step::Connect(port) => self.host_connect(fd, port),
@@ -487,7 +482,6 @@ impl Muxer {
         }
         self.rsts.clear();
         self.rxq.clear();
-        self.held.clear();
         self.hold = false;
     }
 
