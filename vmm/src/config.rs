@@ -37,6 +37,8 @@ pub struct VmConfig {
     pub serial: SerialOutput,
     /// Feed the VMM's standard input to the guest's serial console.
     pub console_input: bool,
+    /// The VM's instance id; a random one when `None`.
+    pub instance_id: Option<u64>,
 }
 
 /// The part of a [`VmConfig`] that describes the machine (not where its
@@ -77,6 +79,7 @@ impl VmConfig {
             rng: spec.rng,
             serial,
             console_input: false,
+            instance_id: None,
         }
     }
 
@@ -92,6 +95,7 @@ impl VmConfig {
             rng: false,
             serial: SerialOutput::Stdout,
             console_input: false,
+            instance_id: None,
         }
     }
 

@@ -4,57 +4,43 @@
 //!    snapshot without fsyncs into the scratch directory — a diff of what
 //!    changed since the parent's previous layer (cost in proportion to the
 //!    dirty pages and disk clusters), or a full layer (every non-zero page)
-//!    when it has none or its chain is [`MAX_CHAIN_DEPTH`] deep (the
+//!    when it has none or its chain is [`crate::MAX_CHAIN_DEPTH`] deep (the
 //!    compaction rule: the next layer is written whole, so restore and fault
 //!    cost stay flat). The parent then runs on.
-//! 2. `n` children are restored from that layer stack in parallel, each into
-//!    a pre-built shell when a pool is given, each with private copy-on-write
-//!    memory, a private disk top over the frozen disk layers, its own vsock
-//!    socket and a new instance id.
+//!    ([`Vm::write_fork_layer`])
+//! 2. `n` children are restored from that layer stack in parallel — in this
+//!    process ([`Vm::fork`]) or each in its own worker process
+//!    ([`Vm::restore_fork_layer`]) — each into a pre-built shell when one is
+//!    ready, each with private copy-on-write memory, a private disk top over
+//!    the frozen disk layers, its own vsock socket and a new instance id.
 //! 3. The layer directory is kept while any VM needs it (the parent for its
 //!    next diff, every child for its memory and disks, deeper layers for their
-//!    base) and removed when the last one is gone.
+//!    base) and removed when the last one is gone: each holds a lease on it
+//!    ([`crate::lease`]), counted by the kernel across processes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 use devices::legacy::SerialOutput;
 
-use crate::persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
+use crate::lineage::new_instance_id;
+use crate::persist::{MemoryBackend, PersistError, RestoreOptions};
 use crate::shell::ShellPool;
 use crate::vm::Vm;
 
-/// Past this many layers, a fork writes a full layer instead of a diff.
-pub const MAX_CHAIN_DEPTH: usize = 8;
-
-static INSTANCE: AtomicU64 = AtomicU64::new(1);
 static LAYER_SEQ: AtomicU64 = AtomicU64::new(0);
 
-/// A process-unique instance id.
-pub(crate) fn new_instance_id() -> u64 {
-    INSTANCE.fetch_add(1, Ordering::Relaxed)
-}
-
-/// A fork layer's directory, removed when the last VM holding it is gone.
+/// A fork layer just written: where it is, and what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ForkLayer {
-    dir: PathBuf,
-    /// The layer this one is a diff on: kept as long as this one.
-    _parent: Option<Arc<ForkLayer>>,
-}
-
-impl ForkLayer {
-    pub fn dir(&self) -> &std::path::Path {
-        &self.dir
-    }
-}
-
-impl Drop for ForkLayer {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            log::warn!("cannot remove fork layer {}: {e}", self.dir.display());
-        }
-    }
+    /// The layer's directory: restore it with [`Vm::restore_fork_layer`].
+    pub dir: PathBuf,
+    /// Whether it is a diff on the parent's previous layer.
+    pub diff: bool,
+    /// Layers in its chain, itself included.
+    pub depth: usize,
+    /// How long the parent was paused to write it.
+    pub pause: std::time::Duration,
 }
 
 #[derive(Clone)]
@@ -82,8 +68,44 @@ impl ForkOptions {
 }
 
 impl Vm {
-    /// Forks this VM into `n` children that start where it is now; the
-    /// parent keeps running. With a `pool`, children take its shells.
+    /// Step 1 of a fork: pauses this VM just long enough to write a fork
+    /// layer into a new directory under `scratch_dir`, then lets it run on.
+    /// The layer is leased by this VM (for its next diff) and removed when
+    /// its last user, in any process, is gone (see [`crate::lease`]).
+    pub fn write_fork_layer(&mut self, scratch_dir: &Path) -> Result<ForkLayer, PersistError> {
+        let kind = self.lineage.fork_layer_kind();
+        let dir = scratch_dir.join(format!(
+            "sprout-layer-{:016x}-{}",
+            self.instance_id(),
+            LAYER_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        self.snapshot_with(&dir, kind, true)?;
+        Ok(ForkLayer {
+            dir,
+            diff: kind == crate::persist::SnapshotKind::Diff,
+            depth: self.lineage.depth(),
+            pause: self.last_pause,
+        })
+    }
+
+    /// Step 2 of a fork, in this process or any other: restores the fork
+    /// layer in `dir` (into `shell` when given) and runs it. The child leases
+    /// every fork layer of the chain for as long as it lives.
+    pub fn restore_fork_layer(
+        dir: &Path,
+        shell: Option<crate::shell::VmShell>,
+        opts: RestoreOptions,
+    ) -> Result<Vm, PersistError> {
+        let mut child = Self::restore_impl(dir, opts, shell)?;
+        child.resume()?;
+        child.after_restore();
+        Ok(child)
+    }
+
+    /// Forks this VM into `n` children in this process that start where it
+    /// is now; the parent keeps running. With a `pool`, children take its
+    /// shells. The two steps are [`Vm::write_fork_layer`] and
+    /// [`Vm::restore_fork_layer`]; across processes, call them there.
     pub fn fork(
         &mut self,
         n: usize,
@@ -96,27 +118,7 @@ impl Vm {
         if self.config.vsock.is_some() && opts.vsock_dir.is_none() {
             return Err(PersistError::NeedVsockDir);
         }
-        let kind = if self.parent.is_some() && self.chain_depth < MAX_CHAIN_DEPTH {
-            SnapshotKind::Diff
-        } else {
-            SnapshotKind::Full
-        };
-        let dir = opts.scratch_dir.join(format!(
-            "sprout-layer-{}-{}",
-            std::process::id(),
-            LAYER_SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let base = match kind {
-            SnapshotKind::Diff => self.fork_layer.clone(),
-            SnapshotKind::Full => None,
-        };
-        self.snapshot_with(&dir, kind, false)?;
-        let layer = Arc::new(ForkLayer {
-            dir: dir.clone(),
-            _parent: base,
-        });
-        self.fork_layer = Some(layer.clone());
-
+        let layer = self.write_fork_layer(&opts.scratch_dir)?;
         let mut shells = Vec::with_capacity(n);
         for _ in 0..n {
             shells.push(match pool {
@@ -124,26 +126,25 @@ impl Vm {
                 None => None,
             });
         }
-        let ids: Vec<u64> = (0..n).map(|_| crate::fork::new_instance_id()).collect();
         // Loaded and verified once; every child maps the same layer stack.
-        let (chain, stack) = crate::persist::load_for_restore(&dir)?;
+        let (chain, stack) = crate::persist::load_for_restore(&layer.dir)?;
         let results: Vec<Result<Vm, PersistError>> = std::thread::scope(|s| {
             let handles: Vec<_> = shells
                 .into_iter()
-                .zip(&ids)
-                .map(|(shell, &id)| {
+                .map(|shell| {
                     let (chain, stack) = (&chain, stack.clone());
                     s.spawn(move || {
-                        let mut o = RestoreOptions::new(opts.backend);
-                        o.prefetch = false;
-                        o.record_working_set_for = None;
+                        let id = new_instance_id();
+                        let mut o = RestoreOptions::for_fork(opts.backend);
+                        o.instance_id = Some(id);
                         o.serial = opts.serial.clone();
                         o.scratch_dir = opts.scratch_dir.clone();
                         o.vsock_uds = opts
                             .vsock_dir
                             .as_ref()
-                            .map(|d| d.join(format!("vm-{id}.vsock")));
-                        let mut child = Vm::restore_loaded(chain, stack, o, shell)?;
+                            .map(|d| d.join(format!("vm-{id:016x}.vsock")));
+                        let leases = crate::lease::lease_chain(chain)?;
+                        let mut child = Vm::restore_loaded(chain, stack, leases, o, shell)?;
                         child.resume()?;
                         child.after_restore();
                         Ok(child)
@@ -161,13 +162,6 @@ impl Vm {
                 })
                 .collect()
         });
-        let mut children = Vec::with_capacity(n);
-        for (r, id) in results.into_iter().zip(ids) {
-            let mut child = r?;
-            child.instance_id = id;
-            child.fork_layer = Some(layer.clone());
-            children.push(child);
-        }
-        Ok(children)
+        results.into_iter().collect()
     }
 }

@@ -88,6 +88,8 @@ pub struct RestoreOptions {
     /// Where the restored VM's private writable disk tops are created
     /// (unlinked at once, so nothing is left behind).
     pub scratch_dir: PathBuf,
+    /// The restored VM's instance id; a random one when `None`.
+    pub instance_id: Option<u64>,
 }
 
 impl RestoreOptions {
@@ -99,6 +101,17 @@ impl RestoreOptions {
             serial: SerialOutput::Sink,
             vsock_uds: None,
             scratch_dir: std::env::temp_dir(),
+            instance_id: None,
+        }
+    }
+
+    /// For a fork child: no working set to prefetch or record (the layer is
+    /// fresh and short-lived).
+    pub fn for_fork(backend: MemoryBackend) -> Self {
+        Self {
+            prefetch: false,
+            record_working_set_for: None,
+            ..Self::new(backend)
         }
     }
 }
@@ -107,10 +120,10 @@ impl RestoreOptions {
 pub enum PersistError {
     #[error("The VM has stopped ({0}): nothing to snapshot")]
     Exited(crate::vcpu::ExitReason),
-    #[error("A diff snapshot needs an earlier snapshot of this VM: take a full one first")]
-    NoParent,
-    #[error("This VM's last layer is a fork layer, which is not kept: take a full snapshot")]
-    EphemeralParent,
+    #[error(transparent)]
+    Lineage(#[from] crate::lineage::LineageError),
+    #[error(transparent)]
+    Lease(#[from] crate::lease::LeaseError),
     #[error("A fork needs at least one child")]
     NoChildren,
     #[error("The VM has a vsock device: give the fork a directory for the children's sockets")]
@@ -260,27 +273,23 @@ impl Vm {
     /// Takes a snapshot into `dir` (which must not exist). The VM is paused for
     /// the capture and resumed after, unless it was paused already.
     pub fn snapshot(&mut self, dir: &Path, kind: SnapshotKind) -> Result<(), PersistError> {
-        if kind == SnapshotKind::Diff && self.fork_layer.is_some() {
-            return Err(PersistError::EphemeralParent);
-        }
-        self.snapshot_with(dir, kind, true)?;
-        self.fork_layer = None;
-        Ok(())
+        self.lineage.check_snapshot(kind)?;
+        self.snapshot_with(dir, kind, false)
     }
 
-    /// [`Vm::snapshot`]; `durable: false` skips the fsyncs (a fork's layer,
-    /// which lives no longer than this process, needs no crash safety).
+    /// [`Vm::snapshot`]; a `fork_layer` skips the fsyncs (it is never kept
+    /// past its last user, so it needs no crash safety) and is leased.
     pub(crate) fn snapshot_with(
         &mut self,
         dir: &Path,
         kind: SnapshotKind,
-        durable: bool,
+        fork_layer: bool,
     ) -> Result<(), PersistError> {
         if let Some(r) = self.exit.get() {
             return Err(PersistError::Exited(r));
         }
-        if kind == SnapshotKind::Diff && self.parent.is_none() {
-            return Err(PersistError::NoParent);
+        if kind == SnapshotKind::Diff && self.lineage.parent().is_none() {
+            return Err(crate::lineage::LineageError::NoParent.into());
         }
         // Refuse a bad destination before touching the VM.
         let shape = Shape {
@@ -288,9 +297,9 @@ impl Vm {
             mem_bytes: self.ram.size,
         };
         let mut w = SnapshotWriter::new(dir, shape, self.kernel_identity()?)?;
-        w.set_fsync(durable);
+        w.set_fsync(!fork_layer);
         if kind == SnapshotKind::Diff {
-            if let Some(p) = &self.parent {
+            if let Some(p) = self.lineage.parent() {
                 w.set_parent(p)?;
             }
         }
@@ -308,21 +317,23 @@ impl Vm {
             self.resume()?;
         }
         self.last_pause = paused_at.elapsed();
+        let res = res.and_then(|s| {
+            let lease = if fork_layer {
+                Some(crate::lease::LayerLease::create(s.dir())?)
+            } else {
+                None
+            };
+            Ok((s, lease))
+        });
         match res {
-            Ok(s) => {
-                self.parent = Some(s);
-                self.chain_depth = match kind {
-                    SnapshotKind::Full => 1,
-                    SnapshotKind::Diff => self.chain_depth + 1,
-                };
+            Ok((s, lease)) => {
+                self.lineage.wrote(s, kind, lease);
                 Ok(())
             }
             Err(e) => {
                 if dirty_taken {
                     // What changed since the parent is now unknown: no diff on it.
-                    self.parent = None;
-                    self.fork_layer = None;
-                    self.chain_depth = 0;
+                    self.lineage.lost_dirty_log();
                 }
                 Err(e)
             }
@@ -330,7 +341,7 @@ impl Vm {
     }
 
     fn kernel_identity(&self) -> Result<KernelIdentity, PersistError> {
-        match &self.parent {
+        match self.lineage.parent() {
             Some(p) => Ok(p.kernel().clone()),
             None => Ok(KernelIdentity::of_file(&self.config.kernel)?),
         }
@@ -457,7 +468,8 @@ impl Vm {
         shell: Option<VmShell>,
     ) -> Result<Vm, PersistError> {
         let (chain, stack) = load_for_restore(dir)?;
-        Self::restore_loaded(&chain, stack, opts, shell)
+        let leases = crate::lease::lease_chain(&chain)?;
+        Self::restore_loaded(&chain, stack, leases, opts, shell)
     }
 
     /// Restores from a chain loaded (and verified) once, whose layer stack is
@@ -465,6 +477,7 @@ impl Vm {
     pub(crate) fn restore_loaded(
         chain: &[Snapshot],
         stack: Arc<LayerStack>,
+        leases: Vec<crate::lease::LayerLease>,
         opts: RestoreOptions,
         shell: Option<VmShell>,
     ) -> Result<Vm, PersistError> {
@@ -606,8 +619,9 @@ impl Vm {
         let (event_loop, vcpus) = start_threads(at, fds, &exit)?;
         let msrs = Arc::new(msrs);
         phase("threads started");
-        let chain_depth = chain.len();
-        let parent = chain.last().cloned();
+        let instance_id = opts
+            .instance_id
+            .unwrap_or_else(crate::lineage::new_instance_id);
         Ok(Vm {
             vcpus,
             event_loop,
@@ -617,10 +631,7 @@ impl Vm {
             entry: st.entry,
             has_pit: st.arch.pit.is_some(),
             msrs,
-            parent,
-            fork_layer: None,
-            chain_depth,
-            instance_id: crate::fork::new_instance_id(),
+            lineage: crate::lineage::Lineage::restored(instance_id, chain, leases),
             last_pause: Duration::ZERO,
             vm,
             ram,
@@ -632,7 +643,7 @@ impl Vm {
     /// moments after the restore as the snapshot's working set, which later
     /// restores prefetch. Returns whether one was saved.
     pub fn save_working_set(&self) -> Result<bool, PersistError> {
-        let (Backing::Uffd(u), Some(p)) = (&self.ram.backing, &self.parent) else {
+        let (Backing::Uffd(u), Some(p)) = (&self.ram.backing, self.lineage.parent()) else {
             return Ok(false);
         };
         match u.working_set() {

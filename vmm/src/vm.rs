@@ -83,14 +83,8 @@ pub struct Vm {
     pub(crate) has_pit: bool,
     /// MSRs a snapshot saves (KVM's list).
     pub(crate) msrs: Arc<Vec<u32>>,
-    /// The snapshot this VM last took or was restored from: a diff builds on it.
-    pub(crate) parent: Option<snapshot::format::Snapshot>,
-    /// Set when `parent` is a fork layer (not durable, removed when no VM needs it).
-    pub(crate) fork_layer: Option<Arc<crate::fork::ForkLayer>>,
-    /// Layers in `parent`'s chain (0 without a parent).
-    pub(crate) chain_depth: usize,
-    /// This VM's instance id: a fork's children each get a new one.
-    pub(crate) instance_id: u64,
+    /// Instance id, parent snapshot and fork-layer leases.
+    pub(crate) lineage: crate::lineage::Lineage,
     /// How long the last snapshot (or fork) kept the vCPUs paused.
     pub(crate) last_pause: Duration,
     pub(crate) vm: VmFd,
@@ -180,10 +174,11 @@ impl Vm {
             entry: kernel.kind,
             has_pit: caps.pit2,
             msrs: Arc::new(state::msr_list(&kvm)?),
-            parent: None,
-            fork_layer: None,
-            chain_depth: 0,
-            instance_id: crate::fork::new_instance_id(),
+            lineage: crate::lineage::Lineage::new(
+                config
+                    .instance_id
+                    .unwrap_or_else(crate::lineage::new_instance_id),
+            ),
             last_pause: Duration::ZERO,
             vm,
             ram,
@@ -264,9 +259,15 @@ impl Vm {
         self.last_pause
     }
 
-    /// This VM's instance id (unique in this process; each fork child gets its own).
+    /// This VM's instance id (random unless the caller gave one; each fork
+    /// child gets its own).
     pub fn instance_id(&self) -> u64 {
-        self.instance_id
+        self.lineage.instance_id()
+    }
+
+    /// Where this VM comes from and what its next layer builds on.
+    pub fn lineage(&self) -> &crate::lineage::Lineage {
+        &self.lineage
     }
 
     /// Where this VM's vsock device listens, if it has one.
