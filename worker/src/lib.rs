@@ -1,0 +1,137 @@
+//! `sprout-worker`: one VMM worker process per sandbox.
+//!
+//! A worker holds one VM (or, while ready, a pre-built [`vmm::VmShell`] of a
+//! shape waiting for a restore) and serves the typed control protocol of
+//! [`protocol`] on a Unix socket: several connections at once, each request
+//! handed to the one thread that owns the VM. It runs in its own session,
+//! outlives whoever started it, and exits when its VM ends.
+//!
+//! - [`protocol`]: frames, requests, responses and stable error codes;
+//! - [`server`]: the worker side; [`client`]: the blocking client;
+//! - [`spawn`]: starting detached workers and a pool of ready ones.
+
+pub mod client;
+pub mod metrics;
+mod owner;
+pub mod protocol;
+pub mod server;
+pub mod spawn;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+pub use client::{Client, ClientError};
+pub use protocol::{ErrorCode, Request, Response, WorkerError};
+pub use server::{serve_vm, WorkerOptions};
+pub use spawn::{ReadyPool, WorkerCommand, WorkerProcess};
+
+pub const USAGE: &str = "usage: sprout-worker --socket PATH [--vcpus N --memory-mib M] \
+[--console FILE] [--scratch-dir DIR] [--foreground]";
+
+/// The worker's command line (after any prefix such as `sprout worker`):
+/// `--socket PATH` (required); `--vcpus N --memory-mib M` make it a ready
+/// worker of that shape; `--console FILE` appends the guest console to FILE;
+/// `--scratch-dir DIR` holds restored disks' private tops; `--foreground`
+/// keeps it in the caller's session.
+pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
+        .try_init();
+    match parse(args).and_then(|(o, fg)| start(o, fg)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sprout-worker: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse(args: impl IntoIterator<Item = OsString>) -> Result<(WorkerOptions, bool), String> {
+    let mut socket = None;
+    let (mut vcpus, mut mem) = (None, None);
+    let mut console: Option<PathBuf> = None;
+    let mut scratch = None;
+    let mut foreground = false;
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let a = a.to_string_lossy().into_owned();
+        let mut val = |name: &str| {
+            it.next()
+                .ok_or_else(|| format!("{name} needs a value\n{USAGE}"))
+        };
+        match a.as_str() {
+            "--socket" => socket = Some(PathBuf::from(val("--socket")?)),
+            "--vcpus" => {
+                let v = val("--vcpus")?;
+                vcpus = Some(
+                    v.to_string_lossy()
+                        .parse::<u8>()
+                        .map_err(|_| format!("--vcpus {v:?} is not a number of vCPUs"))?,
+                )
+            }
+            "--memory-mib" => {
+                let v = val("--memory-mib")?;
+                mem = Some(
+                    v.to_string_lossy()
+                        .parse::<u64>()
+                        .map_err(|_| format!("--memory-mib {v:?} is not a number of MiB"))?,
+                )
+            }
+            "--console" => console = Some(PathBuf::from(val("--console")?)),
+            "--scratch-dir" => scratch = Some(PathBuf::from(val("--scratch-dir")?)),
+            "--foreground" => foreground = true,
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    let socket = socket.ok_or_else(|| format!("--socket is required\n{USAGE}"))?;
+    let shape = match (vcpus, mem) {
+        (Some(vcpus), Some(mem_mib)) => Some(protocol::Shape { vcpus, mem_mib }),
+        (None, None) => None,
+        _ => return Err("--vcpus and --memory-mib go together".into()),
+    };
+    let serial = match &console {
+        None => vmm::SerialOutput::Sink,
+        Some(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("cannot open console file {}: {e}", p.display()))?;
+            vmm::SerialOutput::File(Arc::new(Mutex::new(f)))
+        }
+    };
+    Ok((
+        WorkerOptions {
+            socket,
+            shape,
+            serial,
+            scratch_dir: scratch,
+        },
+        foreground,
+    ))
+}
+
+fn start(opts: WorkerOptions, foreground: bool) -> Result<ExitCode, String> {
+    if !foreground {
+        // Its own session: a signal to the starter's process group or the
+        // end of its terminal does not reach the VM.
+        if let Err(e) = rustix::process::setsid() {
+            log::debug!("setsid: {e} (already a session leader)");
+        }
+    }
+    let socket = opts.socket.clone();
+    match server::run(opts) {
+        Ok(Some(r)) => {
+            log::info!("worker {}: VM ended: {r}", socket.display());
+            Ok(if r.is_clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Ok(None) => Ok(ExitCode::SUCCESS),
+        Err(e) => Err(owner::chain(&e)),
+    }
+}

@@ -1,0 +1,328 @@
+//! The thread that owns the worker's VM (or its ready shell) and carries out
+//! requests one at a time. Socket threads never touch the VM: they hand each
+//! request over a channel and wait for its answer.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vmm::vcpu::ExitSignal;
+use vmm::{PersistError, RestoreOptions, SerialOutput, Vm, VmConfig, VmError, VmShell};
+
+use crate::metrics;
+use crate::protocol::{
+    Description, ErrorCode, ForkLayerInfo, GuestKind, LineageInfo, Request, Response, RestoreSpec,
+    Shape, WorkerError, WorkerState, PROTOCOL_VERSION,
+};
+
+/// What the worker holds.
+pub enum Slot {
+    /// A pre-built VM of a shape, waiting for a restore.
+    Ready(VmShell),
+    Empty,
+    Vm(Box<Vm>),
+}
+
+/// Everything the owner thread keeps.
+pub struct Owner {
+    pub slot: Slot,
+    pub socket: PathBuf,
+    pub serial: SerialOutput,
+    /// Where restored VMs' private disk tops go.
+    pub scratch_dir: PathBuf,
+    pub started_at_ms: u64,
+    /// The shape a ready worker was built for (kept after its shell is used).
+    pub shape: Option<Shape>,
+}
+
+/// What the server loop does after a request.
+pub enum After {
+    Continue,
+    /// A VM now runs: watch its exit signal.
+    Watch(Arc<ExitSignal>),
+    /// Stop the VM and end the worker.
+    End,
+}
+
+fn err(code: ErrorCode, msg: impl Into<String>) -> Response {
+    Response::Error(WorkerError::new(code, msg))
+}
+
+/// The message of `e` with its causes, on one line.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+/// The stable code of a VMM snapshot/restore/fork failure.
+pub fn persist_code(e: &PersistError) -> ErrorCode {
+    use vmm::LineageError;
+    match e {
+        PersistError::Exited(_) => ErrorCode::InvalidState,
+        PersistError::Lineage(LineageError::NoParent) => ErrorCode::NoParent,
+        PersistError::Lineage(LineageError::EphemeralParent) => ErrorCode::EphemeralParent,
+        PersistError::Lease(vmm::LeaseError::Gone(_)) => ErrorCode::LayerGone,
+        PersistError::Lease(_) => ErrorCode::Io,
+        PersistError::NoChildren | PersistError::NeedVsockDir | PersistError::NeedVsockPath => {
+            ErrorCode::BadRequest
+        }
+        PersistError::Vm(v) => vm_code(v),
+        PersistError::Snapshot(_)
+        | PersistError::Layer(_)
+        | PersistError::Decode(_)
+        | PersistError::StateVersion(_)
+        | PersistError::Inconsistent(_)
+        | PersistError::Device(_)
+        | PersistError::WorkingSet(_) => ErrorCode::BadSnapshot,
+        PersistError::DiskLayer { .. }
+        | PersistError::Mmap(_)
+        | PersistError::Uffd(_)
+        | PersistError::Memory(_) => ErrorCode::Io,
+        _ => ErrorCode::Internal,
+    }
+}
+
+pub fn vm_code(e: &VmError) -> ErrorCode {
+    match e {
+        VmError::Config(_) => ErrorCode::BadRequest,
+        VmError::Kvm(_) | VmError::KvmOp(..) | VmError::HostVcpus(_) => ErrorCode::Kvm,
+        VmError::Disk(..) | VmError::LayeredDisk(..) | VmError::Kernel(_) => ErrorCode::BadRequest,
+        _ => ErrorCode::Internal,
+    }
+}
+
+fn persist_err(what: &str, e: &PersistError) -> Response {
+    err(persist_code(e), format!("Cannot {what}: {}", chain(e)))
+}
+
+impl Owner {
+    fn vm(&mut self) -> Result<&mut Vm, Response> {
+        match &mut self.slot {
+            Slot::Vm(vm) => Ok(vm),
+            _ => Err(err(ErrorCode::NoVm, "This worker holds no VM")),
+        }
+    }
+
+    pub fn state(&self) -> WorkerState {
+        match &self.slot {
+            Slot::Ready(_) => WorkerState::Ready,
+            Slot::Empty => WorkerState::Empty,
+            Slot::Vm(vm) => match vm.exit_reason() {
+                Some(r) => WorkerState::Exited(r.to_string()),
+                None if vm.is_paused() => WorkerState::Paused,
+                None => WorkerState::Running,
+            },
+        }
+    }
+
+    pub fn describe(&self) -> Description {
+        let mut d = Description {
+            protocol: PROTOCOL_VERSION,
+            pid: std::process::id(),
+            started_at_ms: self.started_at_ms,
+            socket: self.socket.clone(),
+            state: self.state(),
+            shape: self.shape,
+            instance_id: None,
+            guest: None,
+            config: None,
+            lineage: LineageInfo::default(),
+            vsock_uds: None,
+        };
+        if let Slot::Vm(vm) = &self.slot {
+            let spec = vm.config().spec();
+            d.shape = Some(Shape {
+                vcpus: spec.vcpus,
+                mem_mib: spec.mem_mib,
+            });
+            d.instance_id = Some(vm.instance_id());
+            d.guest = Some(match vm.entry_kind() {
+                vmm::vm::EntryKind::Direct => GuestKind::TestGuest,
+                vmm::vm::EntryKind::Linux => GuestKind::Linux,
+            });
+            d.vsock_uds = vm.vsock_uds().map(Path::to_path_buf);
+            let l = vm.lineage();
+            d.lineage = LineageInfo {
+                parent: l.parent().map(|p| p.dir().to_path_buf()),
+                depth: l.depth(),
+                fork_layers: l.leases().iter().map(|x| x.dir().to_path_buf()).collect(),
+            };
+            d.config = Some(spec);
+        }
+        d
+    }
+
+    /// Carries out one request.
+    pub fn handle(&mut self, req: Request) -> (Response, After) {
+        match self.handle_inner(req) {
+            Ok(x) => x,
+            Err(r) => (r, After::Continue),
+        }
+    }
+
+    fn handle_inner(&mut self, req: Request) -> Result<(Response, After), Response> {
+        let ok = |after| Ok((Response::Ok, after));
+        match req {
+            Request::Describe => Ok((
+                Response::Description(Box::new(self.describe())),
+                After::Continue,
+            )),
+            Request::Boot(b) => {
+                if let Slot::Vm(_) = self.slot {
+                    return Err(err(ErrorCode::HasVm, "This worker already holds a VM"));
+                }
+                let mut cfg = VmConfig::from_spec(b.spec, self.serial.clone());
+                cfg.instance_id = b.instance_id;
+                let vm = Vm::start(cfg)
+                    .map_err(|e| err(vm_code(&e), format!("Cannot boot the VM: {}", chain(&e))))?;
+                let exit = vm.exit_signal();
+                self.slot = Slot::Vm(Box::new(vm));
+                Ok((Response::Ok, After::Watch(exit)))
+            }
+            Request::Restore(spec) => self.restore(spec, false),
+            Request::RestoreForkLayer(spec) => self.restore(spec, true),
+            Request::Pause => {
+                let vm = self.vm()?;
+                if vm.is_paused() {
+                    return Err(invalid("pause", "paused"));
+                }
+                vm.pause()
+                    .map_err(|e| err(vm_code(&e), format!("Cannot pause: {}", chain(&e))))?;
+                ok(After::Continue)
+            }
+            Request::Resume => {
+                let vm = self.vm()?;
+                if !vm.is_paused() {
+                    return Err(invalid("resume", "running"));
+                }
+                vm.resume()
+                    .map_err(|e| err(vm_code(&e), format!("Cannot resume: {}", chain(&e))))?;
+                ok(After::Continue)
+            }
+            Request::Snapshot { dir, diff } => {
+                let kind = if diff {
+                    vmm::SnapshotKind::Diff
+                } else {
+                    vmm::SnapshotKind::Full
+                };
+                let vm = self.vm()?;
+                if let Some(r) = vm.exit_reason() {
+                    return Err(invalid("snapshot", &format!("exited ({r})")));
+                }
+                vm.snapshot(&dir, kind)
+                    .map_err(|e| persist_err("snapshot", &e))?;
+                ok(After::Continue)
+            }
+            Request::WriteForkLayer { scratch_dir } => {
+                let vm = self.vm()?;
+                if let Some(r) = vm.exit_reason() {
+                    return Err(invalid("fork", &format!("exited ({r})")));
+                }
+                let l = vm
+                    .write_fork_layer(&scratch_dir)
+                    .map_err(|e| persist_err("write a fork layer", &e))?;
+                Ok((
+                    Response::ForkLayer(ForkLayerInfo {
+                        dir: l.dir,
+                        diff: l.diff,
+                        depth: l.depth,
+                        pause_us: l.pause.as_micros() as u64,
+                    }),
+                    After::Continue,
+                ))
+            }
+            Request::Stop => ok(After::End),
+            Request::Metrics => {
+                let mut m = metrics::process();
+                if let Slot::Vm(vm) = &self.slot {
+                    m.last_pause_us = vm.last_pause().as_micros() as u64;
+                    if let Some(s) = vm.uffd_stats() {
+                        m.uffd_faults = Some(s.faults);
+                        m.uffd_prefetched = Some(s.pages_prefetched);
+                    }
+                }
+                Ok((Response::Metrics(m), After::Continue))
+            }
+            Request::Mailbox {
+                cpu,
+                cmd,
+                args,
+                timeout_ms,
+            } => {
+                let vm = self.vm()?;
+                let Some(m) = vm.mailbox() else {
+                    return Err(err(
+                        ErrorCode::NotSupported,
+                        "This VM's kernel has no mailbox (not the test guest)",
+                    ));
+                };
+                if cpu >= vm.config().vcpus {
+                    return Err(err(
+                        ErrorCode::BadRequest,
+                        format!(
+                            "vCPU {cpu} does not exist (the VM has {})",
+                            vm.config().vcpus
+                        ),
+                    ));
+                }
+                let t = Duration::from_millis(u64::from(timeout_ms.clamp(1, 600_000)));
+                let r = m
+                    .wait_ready(cpu, t)
+                    .and_then(|()| m.call(cpu, cmd, args, t))
+                    .map_err(|e| err(ErrorCode::Timeout, format!("Mailbox: {}", chain(&e))))?;
+                Ok((
+                    Response::Mailbox {
+                        status: r.status,
+                        rets: r.rets,
+                    },
+                    After::Continue,
+                ))
+            }
+        }
+    }
+
+    fn restore(&mut self, spec: RestoreSpec, fork: bool) -> Result<(Response, After), Response> {
+        let shell = match std::mem::replace(&mut self.slot, Slot::Empty) {
+            Slot::Vm(vm) => {
+                self.slot = Slot::Vm(vm);
+                return Err(err(ErrorCode::HasVm, "This worker already holds a VM"));
+            }
+            Slot::Ready(s) => Some(s),
+            Slot::Empty => None,
+        };
+        let mut o = if fork {
+            RestoreOptions::for_fork(spec.backend.into())
+        } else {
+            RestoreOptions::new(spec.backend.into())
+        };
+        if !fork {
+            o.prefetch = spec.prefetch;
+        }
+        o.serial = self.serial.clone();
+        o.vsock_uds = spec.vsock_uds;
+        o.scratch_dir = self.scratch_dir.clone();
+        o.instance_id = spec.instance_id;
+        let r = match (fork, shell) {
+            (true, shell) => Vm::restore_fork_layer(&spec.dir, shell, o),
+            (false, Some(shell)) => Vm::restore_in(shell, &spec.dir, o),
+            (false, None) => Vm::restore(&spec.dir, o),
+        };
+        let vm = r.map_err(|e| persist_err(&format!("restore {}", spec.dir.display()), &e))?;
+        let exit = vm.exit_signal();
+        self.slot = Slot::Vm(Box::new(vm));
+        Ok((Response::Ok, After::Watch(exit)))
+    }
+}
+
+fn invalid(op: &str, state: &str) -> Response {
+    err(
+        ErrorCode::InvalidState,
+        format!("Cannot {op}: the VM is {state}"),
+    )
+}

@@ -1,0 +1,242 @@
+//! Starting worker processes, and a pool of ready ones.
+//!
+//! A worker is started detached: in its own session (it calls `setsid`), with
+//! no standard input and its console in a file or nowhere, so it outlives the
+//! process that started it. Whoever manages workers keeps a few **ready**
+//! per shape: each has its process started, its KVM VM, vCPUs and memory
+//! slots made, so neither is on the restore or fork path.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::client::{Client, ClientError};
+use crate::protocol::{Shape, WorkerState};
+
+/// How long a new worker has to answer its first describe.
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("Cannot start the worker program {0}")]
+    Exec(PathBuf, #[source] std::io::Error),
+    #[error("Worker {0} did not come up")]
+    Start(PathBuf, #[source] ClientError),
+    #[error("Worker {0} came up {1}, not ready")]
+    NotReady(PathBuf, WorkerState),
+}
+
+/// The program that runs a worker: `sprout-worker`, or a binary that becomes
+/// one given leading arguments (`sprout worker`).
+#[derive(Clone, Debug)]
+pub struct WorkerCommand {
+    pub program: PathBuf,
+    pub prefix: Vec<OsString>,
+}
+
+/// A started worker process.
+pub struct WorkerProcess {
+    pub socket: PathBuf,
+    pub child: Child,
+    /// Connected, and described once as ready.
+    pub client: Client,
+}
+
+impl WorkerProcess {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl WorkerCommand {
+    pub fn new(program: impl Into<PathBuf>) -> Self {
+        Self {
+            program: program.into(),
+            prefix: Vec::new(),
+        }
+    }
+
+    /// This binary, becoming a worker with `prefix` (e.g. `["worker"]`).
+    pub fn current_exe(prefix: &[&str]) -> std::io::Result<Self> {
+        Ok(Self {
+            program: std::env::current_exe()?,
+            prefix: prefix.iter().map(OsString::from).collect(),
+        })
+    }
+
+    /// Starts a worker on `socket`, ready for a restore of `shape` when given
+    /// (else empty, for a boot), with its console appended to `console`.
+    /// Does not wait for it.
+    pub fn start(
+        &self,
+        socket: &Path,
+        shape: Option<Shape>,
+        console: Option<&Path>,
+    ) -> Result<Child, SpawnError> {
+        let mut c = Command::new(&self.program);
+        c.args(&self.prefix).arg("--socket").arg(socket);
+        if let Some(s) = shape {
+            c.arg("--vcpus")
+                .arg(s.vcpus.to_string())
+                .arg("--memory-mib")
+                .arg(s.mem_mib.to_string());
+        }
+        let out = match console {
+            Some(p) => {
+                c.arg("--console").arg(p);
+                Stdio::null()
+            }
+            None => Stdio::null(),
+        };
+        // Its own diagnostics go to stderr: keep them where ours go.
+        c.stdin(Stdio::null()).stdout(out);
+        c.spawn()
+            .map_err(|e| SpawnError::Exec(self.program.clone(), e))
+    }
+
+    /// [`start`](Self::start), then waits until it answers (ready when
+    /// `shape` is given).
+    pub fn spawn(
+        &self,
+        socket: &Path,
+        shape: Option<Shape>,
+        console: Option<&Path>,
+    ) -> Result<WorkerProcess, SpawnError> {
+        let mut child = self.start(socket, shape, console)?;
+        match wait_up(socket, shape.is_some()) {
+            Ok(client) => Ok(WorkerProcess {
+                socket: socket.to_owned(),
+                child,
+                client,
+            }),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+}
+
+fn wait_up(socket: &Path, ready: bool) -> Result<Client, SpawnError> {
+    let mut client = Client::connect_wait(socket, START_TIMEOUT)
+        .map_err(|e| SpawnError::Start(socket.to_owned(), e))?;
+    // Answered once the shell is built: requests wait behind it.
+    let d = client
+        .describe()
+        .map_err(|e| SpawnError::Start(socket.to_owned(), e))?;
+    let want = if ready {
+        WorkerState::Ready
+    } else {
+        WorkerState::Empty
+    };
+    if d.state != want {
+        return Err(SpawnError::NotReady(socket.to_owned(), d.state));
+    }
+    Ok(client)
+}
+
+/// Ready workers of one shape, their sockets in one directory.
+pub struct ReadyPool {
+    cmd: WorkerCommand,
+    dir: PathBuf,
+    shape: Shape,
+    console: Option<PathBuf>,
+    ready: Vec<WorkerProcess>,
+    seq: u64,
+}
+
+impl ReadyPool {
+    pub fn new(cmd: WorkerCommand, dir: impl Into<PathBuf>, shape: Shape) -> Self {
+        Self {
+            cmd,
+            dir: dir.into(),
+            shape,
+            console: None,
+            ready: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    /// Where every worker of the pool appends its console.
+    pub fn set_console(&mut self, path: Option<PathBuf>) {
+        self.console = path;
+    }
+
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    pub fn len(&self) -> usize {
+        self.ready.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ready.is_empty()
+    }
+
+    /// Starts workers until `n` are ready; they start in parallel.
+    pub fn fill(&mut self, n: usize) -> Result<(), SpawnError> {
+        let want = n.saturating_sub(self.ready.len());
+        let mut starting = Vec::with_capacity(want);
+        for _ in 0..want {
+            let sock = self.next_socket();
+            let child = self
+                .cmd
+                .start(&sock, Some(self.shape), self.console.as_deref())?;
+            starting.push((sock, child));
+        }
+        let mut first_err = None;
+        for (sock, mut child) in starting {
+            match wait_up(&sock, true) {
+                Ok(client) => self.ready.push(WorkerProcess {
+                    socket: sock,
+                    child,
+                    client,
+                }),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// A ready worker, or a new one when none is left.
+    pub fn take(&mut self) -> Result<WorkerProcess, SpawnError> {
+        match self.ready.pop() {
+            Some(w) => Ok(w),
+            None => {
+                let sock = self.next_socket();
+                self.cmd
+                    .spawn(&sock, Some(self.shape), self.console.as_deref())
+            }
+        }
+    }
+
+    fn next_socket(&mut self) -> PathBuf {
+        self.seq += 1;
+        self.dir.join(format!(
+            "ready-{}-{:x}-{}.sock",
+            std::process::id(),
+            vmm::new_instance_id() & 0xffff_ffff,
+            self.seq
+        ))
+    }
+}
+
+impl Drop for ReadyPool {
+    /// Unused ready workers are stopped.
+    fn drop(&mut self) {
+        for mut w in self.ready.drain(..) {
+            let _ = w.client.stop();
+            let _ = w.child.wait();
+        }
+    }
+}
