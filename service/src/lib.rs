@@ -1,6 +1,7 @@
-//! The Sprout service crate: the `sprout` CLI and its VM control socket today;
+//! The Sprout service crate: the `sprout` CLI, which drives VMs through the
+//! worker protocol (`control`), today;
 //! `sproutd`, the REST service, joins it later.
 
 pub mod agent;
-pub mod api_sock;
+pub mod control;
 pub mod linux;

@@ -24,8 +24,6 @@ use crate::agent::{self, AgentError, Transfer};
 use vmm::vcpu::ExitSignal;
 use vmm::{ConsoleBuffer, DiskConfig, ExitReason, SerialOutput, Vm, VmConfig, VsockConfig};
 
-use crate::api_sock::ApiSocket;
-
 /// The kernel command line of a Linux guest before the user's additions and
 /// the VMM's virtio-mmio entries. `RUST_LOG` reaches the agent as an
 /// environment variable (the kernel hands unknown `key=value` words to init).
@@ -37,7 +35,7 @@ const GUEST_CID: u64 = 3;
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 const CONSOLE_CAP: usize = 64 * 1024;
 /// How long `sprout vm exec` waits for a VM's socket to appear.
-pub const SOCKET_WAIT: Duration = Duration::from_secs(5);
+pub const SOCKET_WAIT: Duration = crate::control::SOCKET_WAIT;
 /// How long a broken agent connection may precede the end of a rebooting VM.
 const REBOOT_GRACE: Duration = Duration::from_secs(10);
 const EXT4_MAGIC_OFFSET: u64 = 1024 + 0x38;
@@ -67,8 +65,8 @@ pub enum LinuxError {
     Probe(#[from] vmm::arch::probe::ProbeError),
     #[error("Cannot start the VM")]
     Vm(#[from] vmm::VmError),
-    #[error("Cannot serve the control socket: {0}")]
-    ApiSock(String),
+    #[error("Cannot serve the control socket")]
+    ApiSock(#[source] sprout_worker::server::ServerError),
     #[error("Cannot start the async runtime")]
     Runtime(#[source] std::io::Error),
     #[error("The agent did not answer within {0:?} of boot (last error: {1}); console:\n{2}")]
@@ -438,7 +436,7 @@ fn finish(
         save_working_set(&vm);
     }
     drop(rt);
-    serve(vm, api_sock, true)
+    serve(vm, api_sock)
 }
 
 /// A uffd restore's first moments were recorded: keep them as the snapshot's
@@ -452,24 +450,23 @@ fn save_working_set(vm: &Vm) {
     }
 }
 
-/// Runs `vm` (with a control socket at `api_sock`; a Linux guest's re-identifies
-/// forked children) until it ends; 0 if the guest reset or powered off, else 1.
-pub fn serve(vm: Vm, api_sock: Option<&Path>, linux: bool) -> Result<u8, LinuxError> {
-    let exit = vm.exit_signal();
-    let vm = Arc::new(Mutex::new(vm));
-    let api = api_sock
-        .map(|p| {
-            if linux {
-                ApiSocket::serve_linux(p, vm.clone())
-            } else {
-                ApiSocket::serve(p, vm.clone())
-            }
-        })
-        .transpose()
-        .map_err(|e| LinuxError::ApiSock(format!("{e:#}")))?;
-    let reason = exit.wait(None).unwrap_or(ExitReason::Stopped);
-    drop(api);
-    drop(vm);
+/// Runs `vm` until it ends, serving the worker protocol on `api_sock` if
+/// given (see [`crate::control`]); 0 if the guest reset or powered off, else 1.
+pub fn serve(vm: Vm, api_sock: Option<&Path>) -> Result<u8, LinuxError> {
+    let reason = match api_sock {
+        Some(p) => {
+            let dir = p
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .map_or_else(std::env::temp_dir, Path::to_path_buf);
+            sprout_worker::serve_vm(vm, p, &dir).map_err(LinuxError::ApiSock)?
+        }
+        None => {
+            let r = vm.wait(None).unwrap_or(ExitReason::Stopped);
+            drop(vm);
+            r
+        }
+    };
     eprintln!("sprout: VM ended: {reason}");
     Ok(u8::from(!reason.is_clean()))
 }
@@ -509,7 +506,7 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
             vm.stop();
             return Err(LinuxError::NoAgent);
         }
-        serve(vm, r.api_sock.as_deref(), false)?
+        serve(vm, r.api_sock.as_deref())?
     } else {
         finish(
             vm,

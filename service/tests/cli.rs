@@ -388,10 +388,40 @@ fn fork_through_the_cli_prints_working_child_sockets() {
         assert!(ok, "{err}");
         assert!(line.starts_with(&format!("0 {:#x} ", 9 + i + 1)), "{line}");
     }
+    // Each child is its own worker process, not the parent's.
+    let pid = |s: &std::path::Path| {
+        let (ok, d, err) = ctl(s, &["describe"]);
+        assert!(ok, "{err}");
+        d.lines()
+            .find_map(|l| l.strip_prefix("pid "))
+            .expect("describe has a pid")
+            .to_string()
+    };
+    let pids: std::collections::HashSet<String> = socks.iter().map(|s| pid(s)).collect();
+    assert_eq!(pids.len(), 3);
+    assert!(!pids.contains(&pid(&sock)));
+    assert!(!pids.contains(&parent.0.id().to_string()));
     let (ok, _, err) = ctl(&sock, &["fork", "0"]);
     assert!(!ok && err.contains("out of range"), "{err}");
-    assert!(ctl(&socks[0], &["stop"]).0);
+    // The children outlive their parent.
     assert!(ctl(&sock, &["stop"]).0);
     assert!(parent.0.wait().unwrap().success());
+    for s in &socks {
+        assert!(ctl(s, &["mailbox", "0", "1", "5", "0", "0", "0"]).0);
+        assert!(ctl(s, &["stop"]).0);
+    }
+    let t = std::time::Instant::now();
+    while socks.iter().any(|s| s.exists()) {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "child sockets stay"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&tmp);
 }

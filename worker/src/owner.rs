@@ -265,10 +265,7 @@ impl Owner {
                 if cpu >= vm.config().vcpus {
                     return Err(err(
                         ErrorCode::BadRequest,
-                        format!(
-                            "vCPU {cpu} does not exist (the VM has {})",
-                            vm.config().vcpus
-                        ),
+                        format!("No vCPU {cpu} (the VM has {})", vm.config().vcpus),
                     ));
                 }
                 let t = Duration::from_millis(u64::from(timeout_ms.clamp(1, 600_000)));

@@ -269,10 +269,13 @@ fn serve(
             }
         }
     }
-    // No new requests from here on.
-    drop(listener);
-    match std::mem::replace(&mut owner.slot, Slot::Empty) {
+    // The VM and its leases go first: once the socket is gone, so is
+    // everything this worker held.
+    let reason = match std::mem::replace(&mut owner.slot, Slot::Empty) {
         Slot::Vm(vm) => Some(vm.stop()),
         _ => None,
-    }
+    };
+    drop(owner);
+    drop(listener);
+    reason
 }

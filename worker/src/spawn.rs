@@ -82,15 +82,22 @@ impl WorkerCommand {
                 .arg("--memory-mib")
                 .arg(s.mem_mib.to_string());
         }
-        let out = match console {
-            Some(p) => {
-                c.arg("--console").arg(p);
-                Stdio::null()
-            }
-            None => Stdio::null(),
-        };
-        // Its own diagnostics go to stderr: keep them where ours go.
-        c.stdin(Stdio::null()).stdout(out);
+        if let Some(p) = console {
+            c.arg("--console").arg(p);
+        }
+        // Detached: it must hold none of our pipes open (a caller reading our
+        // output to its end would wait for the worker's). Its diagnostics go
+        // to $SPROUT_WORKER_LOG when set.
+        let log = std::env::var_os("SPROUT_WORKER_LOG")
+            .and_then(|p| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .ok()
+            })
+            .map_or_else(Stdio::null, Stdio::from);
+        c.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         c.spawn()
             .map_err(|e| SpawnError::Exec(self.program.clone(), e))
     }
@@ -113,6 +120,60 @@ impl WorkerCommand {
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl WorkerCommand {
+    /// Starts one ready worker of `shape` on each of `sockets`, all at once,
+    /// and waits until every one is ready. On any failure, the ones started
+    /// are stopped.
+    pub fn spawn_ready(
+        &self,
+        sockets: &[PathBuf],
+        shape: Shape,
+        console: Option<&Path>,
+    ) -> Result<Vec<WorkerProcess>, SpawnError> {
+        let mut starting = Vec::with_capacity(sockets.len());
+        let mut first_err = None;
+        for sock in sockets {
+            match self.start(sock, Some(shape), console) {
+                Ok(child) => starting.push((sock.clone(), child)),
+                Err(e) => {
+                    first_err = Some(e);
+                    break;
+                }
+            }
+        }
+        let mut up = Vec::with_capacity(starting.len());
+        for (socket, mut child) in starting {
+            if first_err.is_some() {
+                let _ = child.kill();
+                let _ = child.wait();
+                continue;
+            }
+            match wait_up(&socket, true) {
+                Ok(client) => up.push(WorkerProcess {
+                    socket,
+                    child,
+                    client,
+                }),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    first_err = Some(e);
+                }
+            }
+        }
+        match first_err {
+            None => Ok(up),
+            Some(e) => {
+                for mut w in up {
+                    let _ = w.client.stop();
+                    let _ = w.child.wait();
+                }
                 Err(e)
             }
         }
@@ -179,33 +240,12 @@ impl ReadyPool {
     /// Starts workers until `n` are ready; they start in parallel.
     pub fn fill(&mut self, n: usize) -> Result<(), SpawnError> {
         let want = n.saturating_sub(self.ready.len());
-        let mut starting = Vec::with_capacity(want);
-        for _ in 0..want {
-            let sock = self.next_socket();
-            let child = self
-                .cmd
-                .start(&sock, Some(self.shape), self.console.as_deref())?;
-            starting.push((sock, child));
-        }
-        let mut first_err = None;
-        for (sock, mut child) in starting {
-            match wait_up(&sock, true) {
-                Ok(client) => self.ready.push(WorkerProcess {
-                    socket: sock,
-                    child,
-                    client,
-                }),
-                Err(e) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        let socks: Vec<PathBuf> = (0..want).map(|_| self.next_socket()).collect();
+        let ws = self
+            .cmd
+            .spawn_ready(&socks, self.shape, self.console.as_deref())?;
+        self.ready.extend(ws);
+        Ok(())
     }
 
     /// A ready worker, or a new one when none is left.

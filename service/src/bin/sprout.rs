@@ -8,11 +8,11 @@
 //! sprout vm pause|resume --api-sock PATH
 //! sprout vm snapshot --api-sock PATH [--diff] --out DIR
 //! sprout vm restore DIR [--memory-backend mmap|uffd] [--vsock-uds PATH] [--api-sock PATH]
-//! sprout vm fork --api-sock PATH [--count N]
+//! sprout vm fork --api-sock PATH [--count N]     children are worker processes
+//! sprout worker --socket PATH [...]              run as a worker (sprout-worker)
 //! ```
 
-use std::io::{BufRead, BufReader, IsTerminal, Write};
-use std::os::unix::net::UnixStream;
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -32,6 +32,9 @@ enum Cmd {
     /// Virtual machines.
     #[command(subcommand)]
     Vm(VmCmd),
+    /// Run as a worker process (as `sprout-worker` does).
+    #[command(hide = true)]
+    Worker(WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -53,6 +56,17 @@ enum VmCmd {
     Fork(ForkArgs),
     /// Run a command (and copy files) in a running Linux VM through its agent.
     Exec(ExecArgs),
+    /// Run as a worker process (`sprout-worker`): one VM, driven over its
+    /// control socket. Used by `sprout vm fork`; see `sprout vm worker --help`.
+    #[command(hide = true)]
+    Worker(WorkerArgs),
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    /// The worker's own arguments (`--socket PATH [--vcpus N --memory-mib M] ...`).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<std::ffi::OsString>,
 }
 
 #[derive(Args)]
@@ -191,7 +205,8 @@ struct CtlArgs {
     /// The VM's control socket (`sprout vm run --api-sock`).
     #[arg(long)]
     api_sock: PathBuf,
-    /// The command: status | pause | resume | stop | mailbox CPU CMD A0 A1 A2 A3.
+    /// The command: status | describe | metrics | pause | resume | stop |
+    /// snapshot DIR [full|diff] | fork N | vsock | mailbox CPU CMD A0 A1 A2 A3.
     #[arg(required = true, num_args = 1..)]
     command: Vec<String>,
 }
@@ -266,7 +281,7 @@ fn run(a: RunArgs) -> Result<bool> {
         (None, Some(_)) => bail!("the test guest's vsock device needs --vsock-cid too"),
         _ => {}
     }
-    Ok(service::linux::serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref(), false)? == 0)
+    Ok(service::linux::serve(vmm::Vm::start(cfg)?, a.api_sock.as_deref())? == 0)
 }
 
 fn restore(a: RestoreArgs) -> ExitCode {
@@ -286,10 +301,7 @@ fn restore(a: RestoreArgs) -> ExitCode {
 fn exec(a: ExecArgs) -> ExitCode {
     let uds = match (a.vsock_uds, a.api_sock) {
         (Some(u), _) => Ok(u),
-        (None, Some(sock)) => {
-            wait_for_socket(&sock);
-            request(&sock, "vsock").map(PathBuf::from)
-        }
+        (None, Some(sock)) => service::control::vsock_uds(&sock).map_err(anyhow::Error::from),
         (None, None) => Err(anyhow::anyhow!("give --api-sock or --vsock-uds")),
     };
     let uds = match uds {
@@ -310,40 +322,18 @@ fn exec(a: ExecArgs) -> ExitCode {
     }
 }
 
-/// Gives a VM that is starting in the background a moment to serve its
-/// control socket (`sprout vm run ... & sprout vm exec ...`): until a connect
-/// succeeds, as the socket file appears (bind) just before it listens.
-fn wait_for_socket(sock: &std::path::Path) {
-    let t = std::time::Instant::now();
-    while UnixStream::connect(sock).is_err() && t.elapsed() < service::linux::SOCKET_WAIT {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-}
-
-fn send(sock: &std::path::Path, line: &str) -> Result<bool> {
-    let out = request(sock, line)?;
+/// Runs one control command and prints its answer (if any).
+fn send(sock: &std::path::Path, words: &[&str]) -> Result<bool> {
+    let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+    let out = service::control::command(sock, &words)?;
     if !out.is_empty() {
         println!("{out}");
     }
     Ok(true)
 }
 
-/// Sends one command line to a control socket; the answer's payload, or its error.
-fn request(sock: &std::path::Path, line: &str) -> Result<String> {
-    let mut s = UnixStream::connect(sock)
-        .with_context(|| format!("Cannot connect to {}", sock.display()))?;
-    writeln!(s, "{line}")?;
-    let mut answer = String::new();
-    BufReader::new(s).read_line(&mut answer)?;
-    let answer = answer.trim_end();
-    match answer.strip_prefix("ok") {
-        Some(rest) => Ok(rest.trim_start().to_string()),
-        None => bail!("{}", answer.strip_prefix("error ").unwrap_or(answer)),
-    }
-}
-
 fn ctl(a: CtlArgs) -> Result<bool> {
-    println!("{}", request(&a.api_sock, &a.command.join(" "))?);
+    println!("{}", service::control::command(&a.api_sock, &a.command)?);
     Ok(true)
 }
 
@@ -356,31 +346,26 @@ fn main() -> ExitCode {
             _ => return service::linux::main(a.into_linux()),
         },
         Cmd::Vm(VmCmd::Ctl(a)) => ctl(a),
-        Cmd::Vm(VmCmd::Pause(a)) => send(&a.api_sock, "pause"),
-        Cmd::Vm(VmCmd::Resume(a)) => send(&a.api_sock, "resume"),
+        Cmd::Vm(VmCmd::Pause(a)) => send(&a.api_sock, &["pause"]),
+        Cmd::Vm(VmCmd::Resume(a)) => send(&a.api_sock, &["resume"]),
         Cmd::Vm(VmCmd::Snapshot(a)) => {
             let kind = if a.diff { "diff" } else { "full" };
-            // The VM process has its own working directory.
-            let out = std::path::absolute(&a.out).unwrap_or(a.out);
-            match out.to_str() {
-                Some(out) if !out.contains(char::is_whitespace) => {
-                    send(&a.api_sock, &format!("snapshot {out} {kind}"))
-                }
-                _ => Err(anyhow::anyhow!(
-                    "--out must be a UTF-8 path without white space"
-                )),
+            match a.out.to_str() {
+                Some(out) => send(&a.api_sock, &["snapshot", out, kind]),
+                None => Err(anyhow::anyhow!("--out must be a UTF-8 path")),
             }
         }
         Cmd::Vm(VmCmd::Restore(a)) => return restore(a),
         Cmd::Vm(VmCmd::Exec(a)) => return exec(a),
-        Cmd::Vm(VmCmd::Fork(a)) => {
-            request(&a.api_sock, &format!("fork {}", a.count)).map(|socks| {
-                for sock in socks.split(' ') {
-                    println!("{sock}");
+        Cmd::Vm(VmCmd::Fork(a)) => service::control::fork(&a.api_sock, a.count)
+            .map(|socks| {
+                for sock in socks {
+                    println!("{}", sock.display());
                 }
                 true
             })
-        }
+            .map_err(anyhow::Error::from),
+        Cmd::Vm(VmCmd::Worker(a)) | Cmd::Worker(a) => return sprout_worker::worker_main(a.args),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,
