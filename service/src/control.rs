@@ -268,39 +268,36 @@ pub fn fork(sock: &Path, n: usize) -> Result<Vec<PathBuf>, ControlError> {
         layer.pause_us
     );
     let has_vsock = d.vsock_uds.is_some();
-    let results: Vec<Result<(WorkerProcess, u64), (WorkerProcess, ClientError)>> =
-        std::thread::scope(|s| {
-            let hs: Vec<_> = kids
-                .into_iter()
-                .zip(ids)
-                .map(|(mut k, id)| {
-                    let (layer, dir, stem) = (&layer.dir, &dir, &stem);
-                    s.spawn(move || {
-                        let spec = RestoreSpec {
-                            dir: layer.clone(),
-                            backend: Backend::Mmap,
-                            vsock_uds: has_vsock
-                                .then(|| dir.join(format!("{stem}-{id:016x}.vsock"))),
-                            instance_id: Some(id),
-                            prefetch: false,
-                        };
-                        match k.client.restore_fork_layer(spec) {
-                            Ok(()) => Ok((k, id)),
-                            Err(e) => Err((k, e)),
-                        }
-                    })
+    // Each child with its id, and why its restore failed if it did.
+    let results: Vec<(WorkerProcess, u64, Option<ClientError>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = kids
+            .into_iter()
+            .zip(ids)
+            .map(|(mut k, id)| {
+                let (layer, dir, stem) = (&layer.dir, &dir, &stem);
+                s.spawn(move || {
+                    let spec = RestoreSpec {
+                        dir: layer.clone(),
+                        backend: Backend::Mmap,
+                        vsock_uds: has_vsock.then(|| dir.join(format!("{stem}-{id:016x}.vsock"))),
+                        instance_id: Some(id),
+                        prefetch: false,
+                    };
+                    let r = k.client.restore_fork_layer(spec).err();
+                    (k, id, r)
                 })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().expect("fork child thread"))
-                .collect()
-        });
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().expect("fork child thread"))
+            .collect()
+    });
     let mut ok = Vec::new();
     let mut first_err = None;
-    for r in results {
-        match r {
-            Ok(x) => ok.push(x),
-            Err((mut k, e)) => {
+    for (mut k, id, e) in results {
+        match e {
+            None => ok.push((k, id)),
+            Some(e) => {
                 let _ = k.client.stop();
                 first_err.get_or_insert(e);
             }

@@ -27,6 +27,8 @@ struct Cli {
     cmd: Cmd,
 }
 
+// Parsed once per run: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Virtual machines.
@@ -56,10 +58,6 @@ enum VmCmd {
     Fork(ForkArgs),
     /// Run a command (and copy files) in a running Linux VM through its agent.
     Exec(ExecArgs),
-    /// Run as a worker process (`sprout-worker`): one VM, driven over its
-    /// control socket. Used by `sprout vm fork`; see `sprout vm worker --help`.
-    #[command(hide = true)]
-    Worker(WorkerArgs),
 }
 
 #[derive(Args)]
@@ -365,7 +363,7 @@ fn main() -> ExitCode {
                 true
             })
             .map_err(anyhow::Error::from),
-        Cmd::Vm(VmCmd::Worker(a)) | Cmd::Worker(a) => return sprout_worker::worker_main(a.args),
+        Cmd::Worker(a) => return sprout_worker::worker_main(a.args),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,
