@@ -79,7 +79,7 @@ impl Vm {
             self.instance_id(),
             LAYER_SEQ.fetch_add(1, Ordering::Relaxed)
         ));
-        self.snapshot_with(&dir, kind, true)?;
+        self.snapshot_with(crate::run_state::VmOp::Fork, &dir, kind, true)?;
         Ok(ForkLayer {
             dir,
             diff: kind == crate::persist::SnapshotKind::Diff,

@@ -32,6 +32,7 @@ use crate::arch::kernel::EntryKind;
 use crate::arch::state::{self, VcpuState, VmArchState};
 use crate::config::{VmConfig, VmSpec};
 use crate::memory::{self, Backing, GuestRam};
+use crate::run_state::{VmOp, VmRunState};
 use crate::shell::VmShell;
 use crate::vcpu::ExitSignal;
 use crate::vm::{kvm_vm, new_manager, start_threads, Vm, VmError};
@@ -118,8 +119,8 @@ impl RestoreOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
-    #[error("The VM has stopped ({0}): nothing to snapshot")]
-    Exited(crate::vcpu::ExitReason),
+    #[error(transparent)]
+    InvalidState(#[from] crate::run_state::InvalidState),
     #[error(transparent)]
     Lineage(#[from] crate::lineage::LineageError),
     #[error(transparent)]
@@ -274,20 +275,19 @@ impl Vm {
     /// the capture and resumed after, unless it was paused already.
     pub fn snapshot(&mut self, dir: &Path, kind: SnapshotKind) -> Result<(), PersistError> {
         self.lineage.check_snapshot(kind)?;
-        self.snapshot_with(dir, kind, false)
+        self.snapshot_with(VmOp::Snapshot, dir, kind, false)
     }
 
     /// [`Vm::snapshot`]; a `fork_layer` skips the fsyncs (it is never kept
     /// past its last user, so it needs no crash safety) and is leased.
     pub(crate) fn snapshot_with(
         &mut self,
+        op: VmOp,
         dir: &Path,
         kind: SnapshotKind,
         fork_layer: bool,
     ) -> Result<(), PersistError> {
-        if let Some(r) = self.exit.get() {
-            return Err(PersistError::Exited(r));
-        }
+        let before = self.state().after(op)?;
         if kind == SnapshotKind::Diff && self.lineage.parent().is_none() {
             return Err(crate::lineage::LineageError::NoParent.into());
         }
@@ -303,9 +303,12 @@ impl Vm {
                 w.set_parent(p)?;
             }
         }
-        let was_paused = self.is_paused();
+        // A created or paused VM's vCPUs are parked already, and stay so.
+        let running = before == VmRunState::Running;
         let paused_at = std::time::Instant::now();
-        self.pause()?;
+        if running {
+            self.pause()?;
+        }
         let mut dirty_taken = false;
         let res = self
             .event_loop
@@ -313,7 +316,7 @@ impl Vm {
             .map_err(|e| PersistError::Vm(VmError::EventLoop(io::Error::other(e))))
             .and_then(|()| self.snapshot_paused(w, kind, &mut dirty_taken));
         self.event_loop.resume();
-        if !was_paused {
+        if running {
             self.resume()?;
         }
         self.last_pause = paused_at.elapsed();
@@ -633,6 +636,7 @@ impl Vm {
             msrs,
             lineage: crate::lineage::Lineage::restored(instance_id, chain, leases),
             last_pause: Duration::ZERO,
+            run: VmRunState::Created,
             vm,
             ram,
             config: VmConfig::from_spec(spec, opts.serial),

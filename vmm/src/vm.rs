@@ -18,7 +18,8 @@ use crate::event_loop::{EventLoop, Manager};
 use crate::kvm::{self, HostCaps, KvmError};
 use crate::mailbox::Mailbox;
 use crate::memory::{self, GuestRam, MemoryError};
-use crate::vcpu::{ExitSignal, RunState, Vcpu, VcpuContext, VcpuError};
+use crate::run_state::{pause_all, resume_all, InvalidState, PauseFailed, VmOp, VmRunState};
+use crate::vcpu::{ExitSignal, Vcpu, VcpuContext, VcpuError};
 use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
 
 pub use crate::vcpu::ExitReason;
@@ -68,6 +69,8 @@ pub enum VmError {
     EventLoop(#[source] std::io::Error),
     #[error("vCPU thread")]
     Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    InvalidState(#[from] InvalidState),
 }
 
 /// A booted VM. Dropping it stops every thread it started and frees its memory.
@@ -87,6 +90,8 @@ pub struct Vm {
     pub(crate) lineage: crate::lineage::Lineage,
     /// How long the last snapshot (or fork) kept the vCPUs paused.
     pub(crate) last_pause: Duration,
+    /// Where the host last put the VM (`Exited` comes from `exit` instead).
+    pub(crate) run: VmRunState,
     pub(crate) vm: VmFd,
     pub(crate) ram: GuestRam,
     pub(crate) config: VmConfig,
@@ -180,26 +185,57 @@ impl Vm {
                     .unwrap_or_else(crate::lineage::new_instance_id),
             ),
             last_pause: Duration::ZERO,
+            run: VmRunState::Created,
             vm,
             ram,
             config,
         })
     }
 
-    /// Runs (or keeps running) every vCPU.
-    pub fn resume(&mut self) -> Result<(), VmError> {
-        for v in &mut self.vcpus {
-            v.resume()?;
+    /// Where the VM is in its life: created, running, paused, exited or failed.
+    pub fn state(&self) -> VmRunState {
+        if let VmRunState::Failed(_) = self.run {
+            return self.run.clone();
         }
-        Ok(())
+        match self.exit.get() {
+            Some(r) => VmRunState::Exited(r),
+            None => self.run.clone(),
+        }
     }
 
-    /// Takes every vCPU out of guest code and parks it; returns once all are parked.
-    pub fn pause(&mut self) -> Result<(), VmError> {
-        for v in &mut self.vcpus {
-            v.pause()?;
+    /// Runs every vCPU of a created or paused VM.
+    pub fn resume(&mut self) -> Result<(), VmError> {
+        let next = self.state().after(VmOp::Resume)?;
+        match resume_all(&mut self.vcpus) {
+            Ok(()) => {
+                self.run = next;
+                Ok(())
+            }
+            Err(e) => {
+                self.run = VmRunState::Failed(format!("a vCPU did not resume: {e}"));
+                Err(e.into())
+            }
         }
-        Ok(())
+    }
+
+    /// Takes every vCPU out of guest code and parks it; returns once all are
+    /// parked. All or nothing: if one vCPU does not park, the others run
+    /// again and the VM stays running.
+    pub fn pause(&mut self) -> Result<(), VmError> {
+        let next = self.state().after(VmOp::Pause)?;
+        match pause_all(&mut self.vcpus) {
+            Ok(()) => {
+                self.run = next;
+                Ok(())
+            }
+            Err(PauseFailed { error, undone }) => {
+                if !undone {
+                    self.run =
+                        VmRunState::Failed(format!("a failed pause could not be undone: {error}"));
+                }
+                Err(error.into())
+            }
+        }
     }
 
     /// Waits for the VM to stop, at most `timeout` (forever with `None`).
@@ -218,9 +254,9 @@ impl Vm {
         self.exit.clone()
     }
 
-    /// Whether every vCPU is parked by [`Vm::pause`].
+    /// Whether the VM is parked by [`Vm::pause`] (see [`Vm::state`]).
     pub fn is_paused(&self) -> bool {
-        self.vcpus.iter().all(|v| v.state() == RunState::Paused)
+        self.state() == VmRunState::Paused
     }
 
     /// Stops the VM (if still running) and every thread it started.

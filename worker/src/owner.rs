@@ -64,7 +64,7 @@ pub fn chain(e: &dyn std::error::Error) -> String {
 pub fn persist_code(e: &PersistError) -> ErrorCode {
     use vmm::LineageError;
     match e {
-        PersistError::Exited(_) => ErrorCode::InvalidState,
+        PersistError::InvalidState(_) => ErrorCode::InvalidState,
         PersistError::Lineage(LineageError::NoParent) => ErrorCode::NoParent,
         PersistError::Lineage(LineageError::EphemeralParent) => ErrorCode::EphemeralParent,
         PersistError::Lease(vmm::LeaseError::Gone(_)) => ErrorCode::LayerGone,
@@ -91,6 +91,7 @@ pub fn persist_code(e: &PersistError) -> ErrorCode {
 pub fn vm_code(e: &VmError) -> ErrorCode {
     match e {
         VmError::Config(_) => ErrorCode::BadRequest,
+        VmError::InvalidState(_) => ErrorCode::InvalidState,
         VmError::Kvm(_) | VmError::KvmOp(..) | VmError::HostVcpus(_) => ErrorCode::Kvm,
         VmError::Disk(..) | VmError::LayeredDisk(..) | VmError::Kernel(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
