@@ -17,9 +17,12 @@ use std::time::Duration;
 use devices::bus::lock;
 use devices::legacy::i8042::I8042State;
 use devices::legacy::serial::SerialState;
-use devices::legacy::{Serial, SerialOutput, I8042};
-use devices::virtio::block::{Block, BlockConfig, BlockState, LayerFiles, LayerKind, LayeredDisk};
-use devices::virtio::mmio::{MmioTransport, MmioTransportState};
+use devices::legacy::{Serial, SerialOutput, SerialRestoreArgs, I8042};
+use devices::state::{versions, Persist};
+use devices::virtio::block::{
+    Block, BlockDisk, BlockRestoreArgs, BlockState, LayerFiles, LayerKind, LayeredDisk,
+};
+use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport, MmioTransportState};
 use devices::virtio::rng::{Rng, RngState};
 use devices::virtio::vsock::{Vsock, VsockState};
 use serde::{Deserialize, Serialize};
@@ -38,8 +41,9 @@ use crate::vcpu::ExitSignal;
 use crate::vm::{kvm_vm, new_manager, start_threads, Vm, VmError};
 use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
 
-/// Version of the [`VmState`] blob; bump it on any change to a state type.
-pub const STATE_VERSION: u32 = 1;
+/// Version of the [`VmState`] blob (kept with every other state's version in
+/// [`devices::state::versions`]); bump it on any change to a state type.
+pub const STATE_VERSION: u32 = versions::VM;
 /// Name of the memory layer inside each snapshot directory.
 const MEMORY_LAYER: &str = "memory";
 
@@ -159,10 +163,6 @@ pub enum PersistError {
     Device(#[from] devices::state::StateError),
     #[error("The snapshot has a vsock device: give the restored VM a vsock socket path")]
     NeedVsockPath,
-    #[error("Cannot restore the vsock device")]
-    Vsock(#[source] devices::virtio::vsock::VsockError),
-    #[error("Cannot restore the rng device")]
-    Rng(#[source] devices::virtio::rng::RngError),
     #[error("Mailbox")]
     Mailbox(#[from] crate::mailbox::MailboxError),
     #[error("Cannot read guest memory")]
@@ -365,7 +365,7 @@ impl Vm {
         let mut disk = 0usize;
         let mut layered = Vec::new();
         for h in &self.devices.virtio {
-            let transport = lock(&h.transport).save_state();
+            let transport = lock(&h.transport).save();
             let dev = match &h.dev {
                 VirtioDev::Block(b) => {
                     let b = lock(b);
@@ -375,11 +375,11 @@ impl Vm {
                     disk += 1;
                     DevState::Block {
                         disk: disk - 1,
-                        state: b.save_state(),
+                        state: b.save(),
                     }
                 }
-                VirtioDev::Vsock(v) => DevState::Vsock(lock(v).save_state()),
-                VirtioDev::Rng(r) => DevState::Rng(lock(r).save_state()),
+                VirtioDev::Vsock(v) => DevState::Vsock(lock(v).save()),
+                VirtioDev::Rng(r) => DevState::Rng(lock(r).save()),
             };
             virtio.push(VirtioSlot { transport, dev });
         }
@@ -389,8 +389,8 @@ impl Vm {
             entry: self.entry,
             arch,
             vcpus,
-            serial: lock(&self.devices.serial).save_state(),
-            i8042: lock(&self.devices.i8042).save_state(),
+            serial: lock(&self.devices.serial).save(),
+            i8042: lock(&self.devices.i8042).save(),
             virtio,
             mailbox_ready: self.mailbox.as_ref().map_or(0, |m| m.ready_mask()),
         };
@@ -576,14 +576,18 @@ impl Vm {
         let mut at = Attach::new(&vm, &ram.mem, new_manager()?, exit.clone());
         let serial_out = opts.serial.clone();
         let serial = at
-            .attach_serial_with(|evt| {
-                Serial::from_state(evt, serial_out, &st.serial)
+            .attach_serial_with(|irq_evt| {
+                let args = SerialRestoreArgs {
+                    irq_evt,
+                    out: serial_out,
+                };
+                Serial::restore(args, &st.serial)
                     .map_err(|e| AttachError::Restore("serial", Box::new(e)))
             })
             .map_err(VmError::from)?;
         let i8042 = at
             .attach_i8042_with(|evt| {
-                I8042::from_state(evt, &st.i8042)
+                I8042::restore(evt, &st.i8042)
                     .map_err(|e| AttachError::Restore("i8042", Box::new(e)))
             })
             .map_err(VmError::from)?;
@@ -692,8 +696,11 @@ fn restore_virtio(
         let restore_t = |what: &'static str| {
             move |mem: &devices::virtio::GuestMemoryMmap,
                   d: Arc<Mutex<dyn devices::virtio::VirtioDevice>>| {
-                MmioTransport::restore(mem.clone(), d, t)
-                    .map_err(|e| AttachError::Restore(what, Box::new(e)))
+                let args = MmioRestoreArgs {
+                    mem: mem.clone(),
+                    device: d,
+                };
+                MmioTransport::restore(args, t).map_err(|e| AttachError::Restore(what, Box::new(e)))
             }
         };
         let h = match &slot.dev {
@@ -702,13 +709,8 @@ fn restore_virtio(
                 let cfg = spec.disks.get(index).cloned().ok_or_else(|| {
                     PersistError::Inconsistent(format!("block device names disk {index}"))
                 })?;
-                let mut blk = if cfg.read_only {
-                    Block::new(BlockConfig {
-                        path: cfg.path.clone(),
-                        read_only: true,
-                        id: cfg.id.clone(),
-                    })
-                    .map_err(|e| VmError::Disk(cfg.path.clone(), e))?
+                let disk = if cfg.read_only {
+                    BlockDisk::Image(cfg.path.clone())
                 } else {
                     let name = disk_layer_name(index);
                     let layers: Vec<LayerFiles> = chain
@@ -735,10 +737,14 @@ fn restore_virtio(
                     )?;
                     // The restored VM writes to a private top, not the original file.
                     spec.disks[index].path = top;
-                    Block::with_layered(Arc::new(disk), false, &cfg.id)
-                        .map_err(|e| VmError::Disk(cfg.path.clone(), e))?
+                    BlockDisk::Layered(Arc::new(disk))
                 };
-                blk.restore_state(state)?;
+                let args = BlockRestoreArgs {
+                    disk,
+                    read_only: cfg.read_only,
+                    id: cfg.id.clone(),
+                };
+                let blk = Block::restore(args, state)?;
                 let dev = Arc::new(Mutex::new(blk));
                 let transport = at
                     .attach_virtio("virtio-blk", dev.clone(), restore_t("virtio-blk"))
@@ -753,9 +759,7 @@ fn restore_virtio(
                 if let Some(v) = spec.vsock.as_mut() {
                     v.uds_path = uds.clone();
                 }
-                let dev = Arc::new(Mutex::new(
-                    Vsock::from_state(uds, s).map_err(PersistError::Vsock)?,
-                ));
+                let dev = Arc::new(Mutex::new(Vsock::restore(uds, s)?));
                 let transport = at
                     .attach_virtio("virtio-vsock", dev.clone(), restore_t("virtio-vsock"))
                     .map_err(VmError::from)?;
@@ -765,7 +769,7 @@ fn restore_virtio(
                 }
             }
             DevState::Rng(s) => {
-                let dev = Arc::new(Mutex::new(Rng::from_state(s).map_err(PersistError::Rng)?));
+                let dev = Arc::new(Mutex::new(Rng::restore((), s)?));
                 let transport = at
                     .attach_virtio("virtio-rng", dev.clone(), restore_t("virtio-rng"))
                     .map_err(VmError::from)?;
