@@ -21,6 +21,7 @@ pub mod shell;
 pub mod vcpu;
 pub mod vm;
 mod vm_devices;
+pub mod vm_state;
 
 /// The guest physical layout: every guest address the VMM uses comes from here.
 pub use guest_abi::layout;
@@ -34,3 +35,4 @@ pub use persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
 pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};
+pub use vm_state::{StateBlobError, VmState, STATE_VERSION};

@@ -15,24 +15,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use devices::bus::lock;
-use devices::legacy::i8042::I8042State;
-use devices::legacy::serial::SerialState;
 use devices::legacy::{Serial, SerialOutput, SerialRestoreArgs, I8042};
-use devices::state::{versions, Persist};
+use devices::state::Persist;
 use devices::virtio::block::{
-    Block, BlockDisk, BlockRestoreArgs, BlockState, LayerFiles, LayerKind, LayeredDisk,
+    Block, BlockDisk, BlockRestoreArgs, LayerFiles, LayerKind, LayeredDisk,
 };
-use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport, MmioTransportState};
-use devices::virtio::rng::{Rng, RngState};
-use devices::virtio::vsock::{Vsock, VsockState};
-use serde::{Deserialize, Serialize};
+use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport};
+use devices::virtio::rng::Rng;
+use devices::virtio::vsock::Vsock;
 use snapshot::format::{KernelIdentity, Shape, Snapshot, SnapshotWriter};
 use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, LayerStack, RamSource};
 use snapshot::uffd::{UffdOptions, UffdRestore, WorkingSet};
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::kernel::EntryKind;
-use crate::arch::state::{self, VcpuState, VmArchState};
+use crate::arch::state;
 use crate::config::{VmConfig, VmSpec};
 use crate::memory::{self, Backing, GuestRam};
 use crate::run_state::{VmOp, VmRunState};
@@ -40,10 +37,8 @@ use crate::shell::VmShell;
 use crate::vcpu::ExitSignal;
 use crate::vm::{kvm_vm, new_manager, start_threads, Vm, VmError};
 use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
+use crate::vm_state::{DevState, StateBlobError, VirtioSlot, VmState, STATE_VERSION};
 
-/// Version of the [`VmState`] blob (kept with every other state's version in
-/// [`devices::state::versions`]); bump it on any change to a state type.
-pub const STATE_VERSION: u32 = versions::VM;
 /// Name of the memory layer inside each snapshot directory.
 const MEMORY_LAYER: &str = "memory";
 
@@ -151,12 +146,8 @@ pub enum PersistError {
         #[source]
         source: devices::virtio::block::LayeredError,
     },
-    #[error("Cannot encode the VM state")]
-    Encode(#[source] postcard::Error),
-    #[error("The snapshot's VM state is unreadable (corrupt or from another Sprout)")]
-    Decode(#[source] postcard::Error),
-    #[error("The snapshot's VM state is version {0}; this Sprout reads version {STATE_VERSION}")]
-    StateVersion(u32),
+    #[error("Snapshot state")]
+    StateBlob(#[from] StateBlobError),
     #[error("The snapshot's VM state does not match its manifest: {0}")]
     Inconsistent(String),
     #[error("Device state")]
@@ -167,36 +158,6 @@ pub enum PersistError {
     Mailbox(#[from] crate::mailbox::MailboxError),
     #[error("Cannot read guest memory")]
     Memory(#[from] memory::MemoryError),
-}
-
-#[derive(Serialize, Deserialize)]
-struct VmState {
-    version: u32,
-    spec: VmSpec,
-    entry: EntryKind,
-    arch: VmArchState,
-    vcpus: Vec<VcpuState>,
-    serial: SerialState,
-    i8042: I8042State,
-    virtio: Vec<VirtioSlot>,
-    mailbox_ready: u8,
-}
-
-#[derive(Serialize, Deserialize)]
-struct VirtioSlot {
-    transport: MmioTransportState,
-    dev: DevState,
-}
-
-#[derive(Serialize, Deserialize)]
-enum DevState {
-    /// `disk` indexes `spec.disks`.
-    Block {
-        disk: usize,
-        state: BlockState,
-    },
-    Vsock(VsockState),
-    Rng(RngState),
 }
 
 fn disk_layer_name(disk: usize) -> String {
@@ -394,7 +355,7 @@ impl Vm {
             virtio,
             mailbox_ready: self.mailbox.as_ref().map_or(0, |m| m.ready_mask()),
         };
-        w.write_state(&postcard::to_allocvec(&state).map_err(PersistError::Encode)?)?;
+        w.write_state(&state.encode()?)?;
 
         // Memory: what changed since the last snapshot is read (and reset) now,
         // while nothing runs; later writes count toward the next diff.
@@ -489,10 +450,7 @@ impl Vm {
         let top = chain
             .last()
             .ok_or_else(|| PersistError::Inconsistent("the snapshot chain is empty".into()))?;
-        let st: VmState = postcard::from_bytes(top.state()).map_err(PersistError::Decode)?;
-        if st.version != STATE_VERSION {
-            return Err(PersistError::StateVersion(st.version));
-        }
+        let st = VmState::decode(top.state())?;
         let shape = top.shape();
         let mem_bytes = st.spec.mem_mib << 20;
         if shape.vcpus != st.spec.vcpus

@@ -75,8 +75,7 @@ pub fn persist_code(e: &PersistError) -> ErrorCode {
         PersistError::Vm(v) => vm_code(v),
         PersistError::Snapshot(_)
         | PersistError::Layer(_)
-        | PersistError::Decode(_)
-        | PersistError::StateVersion(_)
+        | PersistError::StateBlob(_)
         | PersistError::Inconsistent(_)
         | PersistError::Device(_)
         | PersistError::WorkingSet(_) => ErrorCode::BadSnapshot,
