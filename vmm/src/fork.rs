@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use devices::legacy::SerialOutput;
 
 use crate::lineage::new_instance_id;
-use crate::persist::{MemoryBackend, PersistError, RestoreOptions};
+use crate::options::{MemoryBackend, RestoreOptions, SnapshotKind};
+use crate::persist::PersistError;
 use crate::shell::ShellPool;
 use crate::vm::Vm;
 
@@ -82,7 +83,7 @@ impl Vm {
         self.snapshot_with(crate::run_state::VmOp::Fork, &dir, kind, true)?;
         Ok(ForkLayer {
             dir,
-            diff: kind == crate::persist::SnapshotKind::Diff,
+            diff: kind == SnapshotKind::Diff,
             depth: self.lineage.depth(),
             pause: self.last_pause,
         })
@@ -127,7 +128,7 @@ impl Vm {
             });
         }
         // Loaded and verified once; every child maps the same layer stack.
-        let (chain, stack) = crate::persist::load_for_restore(&layer.dir)?;
+        let (chain, stack) = crate::restore::load_for_restore(&layer.dir)?;
         let results: Vec<Result<Vm, PersistError>> = std::thread::scope(|s| {
             let handles: Vec<_> = shells
                 .into_iter()

@@ -7,7 +7,9 @@
 //! the device event loop.
 
 pub mod arch;
+mod builder;
 pub mod config;
+mod create;
 pub mod event_loop;
 pub mod fork;
 pub mod kvm;
@@ -15,7 +17,9 @@ pub mod lease;
 pub mod lineage;
 pub mod mailbox;
 pub mod memory;
+mod options;
 mod persist;
+mod restore;
 pub mod run_state;
 pub mod shell;
 pub mod vcpu;
@@ -31,7 +35,8 @@ pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
 pub use fork::{ForkLayer, ForkOptions};
 pub use lease::{LayerLease, LeaseError};
 pub use lineage::{new_instance_id, Lineage, LineageError, MAX_CHAIN_DEPTH};
-pub use persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
+pub use options::{MemoryBackend, RestoreOptions, SnapshotKind};
+pub use persist::PersistError;
 pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};

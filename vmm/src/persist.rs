@@ -1,4 +1,4 @@
-//! Snapshots of a running VM, and VMs restored from them.
+//! Snapshots of a VM (restoring one is [`crate::restore`]'s).
 //!
 //! A snapshot (see the `snapshot` crate for the on-disk format) holds the VM
 //! state blob written here (`VmState`: the machine spec, KVM's VM and vCPU
@@ -9,112 +9,27 @@
 //! path, never copied.
 
 use std::io;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::path::Path;
 
 use devices::bus::lock;
-use devices::legacy::{Serial, SerialOutput, SerialRestoreArgs, I8042};
 use devices::state::Persist;
-use devices::virtio::block::{
-    Block, BlockDisk, BlockRestoreArgs, LayerFiles, LayerKind, LayeredDisk,
-};
-use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport};
-use devices::virtio::rng::Rng;
-use devices::virtio::vsock::Vsock;
+use devices::virtio::block::LayerKind;
 use snapshot::format::{KernelIdentity, Shape, Snapshot, SnapshotWriter};
-use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, LayerStack, RamSource};
-use snapshot::uffd::{UffdOptions, UffdRestore, WorkingSet};
+use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, RamSource};
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
 
-use crate::arch::kernel::EntryKind;
 use crate::arch::state;
-use crate::config::{VmConfig, VmSpec};
 use crate::memory::{self, Backing, GuestRam};
+use crate::options::SnapshotKind;
 use crate::run_state::{VmOp, VmRunState};
-use crate::shell::VmShell;
-use crate::vcpu::ExitSignal;
-use crate::vm::{kvm_vm, new_manager, start_threads, Vm, VmError};
-use crate::vm_devices::{Attach, AttachError, DeviceHandles, VirtioDev, VirtioHandle};
-use crate::vm_state::{DevState, StateBlobError, VirtioSlot, VmState, STATE_VERSION};
+use crate::vm::{Vm, VmError};
+use crate::vm_devices::VirtioDev;
+use crate::vm_state::{
+    disk_layer_name, DevState, StateBlobError, VirtioSlot, VmState, STATE_VERSION,
+};
 
 /// Name of the memory layer inside each snapshot directory.
 const MEMORY_LAYER: &str = "memory";
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SnapshotKind {
-    /// Every non-zero page and every written disk cluster.
-    Full,
-    /// Only what changed since this VM's previous snapshot (or its restore),
-    /// which becomes the new snapshot's parent.
-    Diff,
-}
-
-/// How a restore maps guest memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemoryBackend {
-    /// `MAP_PRIVATE` of the layer files: kernel copy-on-write, page cache
-    /// shared by every restore of the snapshot.
-    Mmap,
-    /// Anonymous memory served by a userfaultfd page server.
-    Uffd,
-}
-
-impl std::str::FromStr for MemoryBackend {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "mmap" => Ok(Self::Mmap),
-            "uffd" => Ok(Self::Uffd),
-            other => Err(format!(
-                "unknown memory backend {other:?}: use mmap or uffd"
-            )),
-        }
-    }
-}
-
-pub struct RestoreOptions {
-    pub backend: MemoryBackend,
-    /// uffd: fill the snapshot's recorded working set before the guest runs.
-    pub prefetch: bool,
-    /// uffd: when the snapshot has no working set yet, record the pages the
-    /// guest touches this long after the restore ([`Vm::save_working_set`]).
-    pub record_working_set_for: Option<Duration>,
-    pub serial: SerialOutput,
-    /// Where the restored VM's vsock host side listens (the snapshot's own
-    /// socket may belong to a VM that still runs). Needed if it has vsock.
-    pub vsock_uds: Option<PathBuf>,
-    /// Where the restored VM's private writable disk tops are created
-    /// (unlinked at once, so nothing is left behind).
-    pub scratch_dir: PathBuf,
-    /// The restored VM's instance id; a random one when `None`.
-    pub instance_id: Option<u64>,
-}
-
-impl RestoreOptions {
-    pub fn new(backend: MemoryBackend) -> Self {
-        Self {
-            backend,
-            prefetch: true,
-            record_working_set_for: Some(Duration::from_millis(200)),
-            serial: SerialOutput::Sink,
-            vsock_uds: None,
-            scratch_dir: std::env::temp_dir(),
-            instance_id: None,
-        }
-    }
-
-    /// For a fork child: no working set to prefetch or record (the layer is
-    /// fresh and short-lived).
-    pub fn for_fork(backend: MemoryBackend) -> Self {
-        Self {
-            prefetch: false,
-            record_working_set_for: None,
-            ..Self::new(backend)
-        }
-    }
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PersistError {
@@ -158,10 +73,6 @@ pub enum PersistError {
     Mailbox(#[from] crate::mailbox::MailboxError),
     #[error("Cannot read guest memory")]
     Memory(#[from] memory::MemoryError),
-}
-
-fn disk_layer_name(disk: usize) -> String {
-    format!("disk{disk}")
 }
 
 /// Guest RAM as the layer writers read it, over the RAM offset space.
@@ -388,223 +299,6 @@ impl Vm {
         Ok(snap)
     }
 
-    /// Restores the VM saved in `dir` (and its parents) and runs it.
-    pub fn restore(dir: &Path, opts: RestoreOptions) -> Result<Vm, PersistError> {
-        let mut vm = Self::restore_paused(dir, opts)?;
-        vm.resume()?;
-        vm.after_restore();
-        Ok(vm)
-    }
-
-    /// Tells devices whose host-side state did not survive (vsock
-    /// connections) to reset their guest side; call once the VM runs.
-    pub fn after_restore(&mut self) {
-        for h in &self.devices.virtio {
-            if let VirtioDev::Vsock(v) = &h.dev {
-                lock(v).send_transport_reset();
-            }
-        }
-    }
-
-    /// Restores the VM saved in `dir` into a pre-built `shell` of the same
-    /// shape (see [`crate::ShellPool`]) and runs it: the KVM set-up, memory
-    /// slot registration and vCPU creation were paid ahead of time.
-    pub fn restore_in(
-        shell: VmShell,
-        dir: &Path,
-        opts: RestoreOptions,
-    ) -> Result<Vm, PersistError> {
-        let mut vm = Self::restore_impl(dir, opts, Some(shell))?;
-        vm.resume()?;
-        vm.after_restore();
-        Ok(vm)
-    }
-
-    /// Restores the VM saved in `dir` with its vCPUs parked; [`Vm::resume`]
-    /// then [`Vm::after_restore`] run it.
-    pub fn restore_paused(dir: &Path, opts: RestoreOptions) -> Result<Vm, PersistError> {
-        Self::restore_impl(dir, opts, None)
-    }
-
-    pub(crate) fn restore_impl(
-        dir: &Path,
-        opts: RestoreOptions,
-        shell: Option<VmShell>,
-    ) -> Result<Vm, PersistError> {
-        let (chain, stack) = load_for_restore(dir)?;
-        let leases = crate::lease::lease_chain(&chain)?;
-        Self::restore_loaded(&chain, stack, leases, opts, shell)
-    }
-
-    /// Restores from a chain loaded (and verified) once, whose layer stack is
-    /// shared by every VM restored from it (a fork's children).
-    pub(crate) fn restore_loaded(
-        chain: &[Snapshot],
-        stack: Arc<LayerStack>,
-        leases: Vec<crate::lease::LayerLease>,
-        opts: RestoreOptions,
-        shell: Option<VmShell>,
-    ) -> Result<Vm, PersistError> {
-        let t0 = std::time::Instant::now();
-        let phase = |what: &str| log::debug!("restore: {what} at {:?}", t0.elapsed());
-        let top = chain
-            .last()
-            .ok_or_else(|| PersistError::Inconsistent("the snapshot chain is empty".into()))?;
-        let st = VmState::decode(top.state())?;
-        let shape = top.shape();
-        let mem_bytes = st.spec.mem_mib << 20;
-        if shape.vcpus != st.spec.vcpus
-            || shape.mem_bytes != mem_bytes
-            || st.vcpus.len() != usize::from(st.spec.vcpus)
-        {
-            return Err(PersistError::Inconsistent(format!(
-                "manifest shape {} vCPUs / {} bytes, state {} vCPUs / {} MiB with {} vCPU states",
-                shape.vcpus,
-                shape.mem_bytes,
-                st.spec.vcpus,
-                st.spec.mem_mib,
-                st.vcpus.len()
-            )));
-        }
-        let (caps, vm, mut pre_vcpus, msrs, reservation) = match shell {
-            Some(s) => {
-                if s.vcpus != st.spec.vcpus || s.mem_bytes != mem_bytes {
-                    return Err(PersistError::Inconsistent(format!(
-                        "the shell is for {} vCPUs / {} bytes, the snapshot {} vCPUs / {} bytes",
-                        s.vcpus, s.mem_bytes, st.spec.vcpus, mem_bytes
-                    )));
-                }
-                (s.caps, s.vm, Some(s.vcpu_fds), s.msrs, Some(s.reservation))
-            }
-            None => {
-                let (kvm, caps, vm) = kvm_vm(st.spec.vcpus)?;
-                let msrs = state::msr_list(&kvm).map_err(VmError::from)?;
-                (caps, vm, None, msrs, None)
-            }
-        };
-        if st.arch.pit.is_some() && !caps.pit2 {
-            return Err(PersistError::Inconsistent(
-                "the snapshot has a PIT and this host's KVM has none".into(),
-            ));
-        }
-
-        phase("KVM VM created");
-        let registered = reservation.is_some();
-        let backing = match opts.backend {
-            MemoryBackend::Mmap => Backing::Mmap(match reservation {
-                Some(r) => snapshot::mmap::map_private_in(
-                    &stack,
-                    mem_bytes,
-                    snapshot::mmap::MapOptions::default(),
-                    r,
-                )?,
-                None => snapshot::mmap::map_private(&stack, mem_bytes)?,
-            }),
-            MemoryBackend::Uffd => {
-                let ws = if opts.prefetch {
-                    WorkingSet::load(top)?
-                } else {
-                    None
-                };
-                let record = if ws.is_none() {
-                    opts.record_working_set_for
-                } else {
-                    None
-                };
-                let uopts = UffdOptions {
-                    prefetch: ws,
-                    record_working_set_for: record,
-                    populate_in_background: false,
-                };
-                Backing::Uffd(match reservation {
-                    Some(r) => UffdRestore::start_in(stack, mem_bytes, uopts, r)?,
-                    None => UffdRestore::start(stack, mem_bytes, uopts)?,
-                })
-            }
-        };
-        let ram = memory::from_backing(backing)?;
-        phase("memory mapped");
-        if !registered {
-            memory::register(&vm, &ram.mem, true).map_err(VmError::from)?;
-            phase("memory registered with KVM");
-        }
-        state::restore_vm(&vm, &st.arch).map_err(VmError::from)?;
-
-        let exit = Arc::new(ExitSignal::default());
-        let mut at = Attach::new(&vm, &ram.mem, new_manager()?, exit.clone());
-        let serial_out = opts.serial.clone();
-        let serial = at
-            .attach_serial_with(|irq_evt| {
-                let args = SerialRestoreArgs {
-                    irq_evt,
-                    out: serial_out,
-                };
-                Serial::restore(args, &st.serial)
-                    .map_err(|e| AttachError::Restore("serial", Box::new(e)))
-            })
-            .map_err(VmError::from)?;
-        let i8042 = at
-            .attach_i8042_with(|evt| {
-                I8042::restore(evt, &st.i8042)
-                    .map_err(|e| AttachError::Restore("i8042", Box::new(e)))
-            })
-            .map_err(VmError::from)?;
-        let mut spec = st.spec.clone();
-        let virtio = restore_virtio(&mut at, &st, &mut spec, chain, &opts)?;
-        let devices = DeviceHandles {
-            serial,
-            i8042,
-            virtio,
-        };
-        let mailbox = match st.entry {
-            EntryKind::Direct => {
-                let m = at.attach_mailbox(st.spec.vcpus).map_err(VmError::from)?;
-                m.resync(st.mailbox_ready)?;
-                Some(m)
-            }
-            EntryKind::Linux => None,
-        };
-        phase("devices restored");
-        let mut fds = Vec::with_capacity(st.vcpus.len());
-        for (i, s) in st.vcpus.iter().enumerate() {
-            let fd = match pre_vcpus
-                .as_mut()
-                .and_then(|v| (!v.is_empty()).then(|| v.remove(0)))
-            {
-                Some(fd) => fd,
-                None => vm
-                    .create_vcpu(i as u64)
-                    .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
-            };
-            state::restore_vcpu(&fd, i as u8, s).map_err(VmError::from)?;
-            fds.push(fd);
-        }
-        phase("vCPUs restored");
-        memory::reset_dirty(&vm, &ram.mem)?;
-        let (event_loop, vcpus) = start_threads(at, fds, &exit)?;
-        let msrs = Arc::new(msrs);
-        phase("threads started");
-        let instance_id = opts
-            .instance_id
-            .unwrap_or_else(crate::lineage::new_instance_id);
-        Ok(Vm {
-            vcpus,
-            event_loop,
-            mailbox,
-            devices,
-            exit,
-            entry: st.entry,
-            has_pit: st.arch.pit.is_some(),
-            msrs,
-            lineage: crate::lineage::Lineage::restored(instance_id, chain, leases),
-            last_pause: Duration::ZERO,
-            run: VmRunState::Created,
-            vm,
-            ram,
-            config: VmConfig::from_spec(spec, opts.serial),
-        })
-    }
-
     /// With the uffd backend, stores the pages the guest touched in its first
     /// moments after the restore as the snapshot's working set, which later
     /// restores prefetch. Returns whether one was saved.
@@ -630,114 +324,8 @@ impl Vm {
     }
 }
 
-/// Loads and verifies `dir`'s chain and opens its layer stack.
-pub(crate) fn load_for_restore(
-    dir: &Path,
-) -> Result<(Vec<Snapshot>, Arc<LayerStack>), PersistError> {
-    let chain = Snapshot::load_chain(dir)?;
-    let stack = Arc::new(LayerStack::open(&chain)?);
-    Ok((chain, stack))
-}
-
-static TOP_SEQ: AtomicU64 = AtomicU64::new(0);
-
-fn restore_virtio(
-    at: &mut Attach<'_>,
-    st: &VmState,
-    spec: &mut VmSpec,
-    chain: &[Snapshot],
-    opts: &RestoreOptions,
-) -> Result<Vec<VirtioHandle>, PersistError> {
-    let mut out = Vec::with_capacity(st.virtio.len());
-    for slot in &st.virtio {
-        let t = &slot.transport;
-        let restore_t = |what: &'static str| {
-            move |mem: &devices::virtio::GuestMemoryMmap,
-                  d: Arc<Mutex<dyn devices::virtio::VirtioDevice>>| {
-                let args = MmioRestoreArgs {
-                    mem: mem.clone(),
-                    device: d,
-                };
-                MmioTransport::restore(args, t).map_err(|e| AttachError::Restore(what, Box::new(e)))
-            }
-        };
-        let h = match &slot.dev {
-            DevState::Block { disk: index, state } => {
-                let index = *index;
-                let cfg = spec.disks.get(index).cloned().ok_or_else(|| {
-                    PersistError::Inconsistent(format!("block device names disk {index}"))
-                })?;
-                let disk = if cfg.read_only {
-                    BlockDisk::Image(cfg.path.clone())
-                } else {
-                    let name = disk_layer_name(index);
-                    let layers: Vec<LayerFiles> = chain
-                        .iter()
-                        .filter(|s| s.disk_layer(&name).is_some())
-                        .map(|s| {
-                            LayerFiles::mapped(
-                                s.dir().join(format!("{name}.data")),
-                                s.dir().join(format!("{name}.map")),
-                            )
-                        })
-                        .collect();
-                    let top = opts.scratch_dir.join(format!(
-                        "sprout-disk-{}-{}-{}",
-                        std::process::id(),
-                        TOP_SEQ.fetch_add(1, Ordering::Relaxed),
-                        name
-                    ));
-                    let disk = LayeredDisk::create(layers, &top, state.capacity_bytes).map_err(
-                        |source| PersistError::DiskLayer {
-                            disk: index,
-                            source,
-                        },
-                    )?;
-                    // The restored VM writes to a private top, not the original file.
-                    spec.disks[index].path = top;
-                    BlockDisk::Layered(Arc::new(disk))
-                };
-                let args = BlockRestoreArgs {
-                    disk,
-                    read_only: cfg.read_only,
-                    id: cfg.id.clone(),
-                };
-                let blk = Block::restore(args, state)?;
-                let dev = Arc::new(Mutex::new(blk));
-                let transport = at
-                    .attach_virtio("virtio-blk", dev.clone(), restore_t("virtio-blk"))
-                    .map_err(VmError::from)?;
-                VirtioHandle {
-                    transport,
-                    dev: VirtioDev::Block(dev),
-                }
-            }
-            DevState::Vsock(s) => {
-                let uds = opts.vsock_uds.clone().ok_or(PersistError::NeedVsockPath)?;
-                if let Some(v) = spec.vsock.as_mut() {
-                    v.uds_path = uds.clone();
-                }
-                let dev = Arc::new(Mutex::new(Vsock::restore(uds, s)?));
-                let transport = at
-                    .attach_virtio("virtio-vsock", dev.clone(), restore_t("virtio-vsock"))
-                    .map_err(VmError::from)?;
-                VirtioHandle {
-                    transport,
-                    dev: VirtioDev::Vsock(dev),
-                }
-            }
-            DevState::Rng(s) => {
-                let dev = Arc::new(Mutex::new(Rng::restore((), s)?));
-                let transport = at
-                    .attach_virtio("virtio-rng", dev.clone(), restore_t("virtio-rng"))
-                    .map_err(VmError::from)?;
-                VirtioHandle {
-                    transport,
-                    dev: VirtioDev::Rng(dev),
-                }
-            }
-        };
-        out.push(h);
+impl From<crate::vm_devices::AttachError> for PersistError {
+    fn from(e: crate::vm_devices::AttachError) -> Self {
+        Self::Vm(VmError::Attach(e))
     }
-    Ok(out)
 }

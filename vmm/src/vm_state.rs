@@ -79,6 +79,12 @@ impl DevState {
     }
 }
 
+/// The name of disk `disk`'s layer in a snapshot (its files are
+/// `<name>.data` and `<name>.map`).
+pub(crate) fn disk_layer_name(disk: usize) -> String {
+    format!("disk{disk}")
+}
+
 impl VmState {
     /// The blob's version, read without decoding the rest.
     pub fn version_of(bytes: &[u8]) -> Result<u32, StateBlobError> {

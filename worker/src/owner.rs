@@ -91,7 +91,7 @@ pub fn vm_code(e: &VmError) -> ErrorCode {
     match e {
         VmError::Config(_) => ErrorCode::BadRequest,
         VmError::InvalidState(_) => ErrorCode::InvalidState,
-        VmError::Kvm(_) | VmError::KvmOp(..) | VmError::HostVcpus(_) => ErrorCode::Kvm,
+        VmError::Kvm(_) | VmError::KvmOp(..) => ErrorCode::Kvm,
         VmError::Disk(..) | VmError::LayeredDisk(..) | VmError::Kernel(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
     }
