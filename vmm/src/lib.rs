@@ -32,11 +32,12 @@ pub use guest_abi::layout;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
-pub use fork::{ForkLayer, ForkOptions};
+pub use fork::{ForkError, ForkLayer, ForkOptions};
 pub use lease::{LayerLease, LeaseError};
 pub use lineage::{new_instance_id, Lineage, LineageError, MAX_CHAIN_DEPTH};
 pub use options::{MemoryBackend, RestoreOptions, SnapshotKind};
-pub use persist::PersistError;
+pub use persist::SnapshotError;
+pub use restore::RestoreError;
 pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};

@@ -19,9 +19,13 @@ use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, RamSourc
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::state;
+use crate::event_loop::ParkTimeout;
+use crate::lease::LeaseError;
+use crate::lineage::LineageError;
 use crate::memory::{self, Backing, GuestRam};
 use crate::options::SnapshotKind;
-use crate::run_state::{VmOp, VmRunState};
+use crate::run_state::{InvalidState, VmOp, VmRunState};
+use crate::vcpu::VcpuError;
 use crate::vm::{Vm, VmError};
 use crate::vm_devices::VirtioDev;
 use crate::vm_state::{
@@ -31,48 +35,61 @@ use crate::vm_state::{
 /// Name of the memory layer inside each snapshot directory.
 const MEMORY_LAYER: &str = "memory";
 
+/// Why a snapshot (or a fork layer) was not taken.
 #[derive(Debug, thiserror::Error)]
-pub enum PersistError {
+pub enum SnapshotError {
     #[error(transparent)]
-    InvalidState(#[from] crate::run_state::InvalidState),
+    InvalidState(#[from] InvalidState),
     #[error(transparent)]
-    Lineage(#[from] crate::lineage::LineageError),
+    Lineage(#[from] LineageError),
     #[error(transparent)]
-    Lease(#[from] crate::lease::LeaseError),
-    #[error("A fork needs at least one child")]
-    NoChildren,
-    #[error("The VM has a vsock device: give the fork a directory for the children's sockets")]
-    NeedVsockDir,
-    #[error(transparent)]
-    Vm(#[from] VmError),
-    #[error("Snapshot")]
-    Snapshot(#[from] snapshot::format::SnapshotError),
-    #[error("Memory layer")]
+    Lease(#[from] LeaseError),
+    #[error("Cannot pause the VM for the snapshot")]
+    Pause(#[source] VmError),
+    #[error("Cannot resume the VM after the snapshot")]
+    Resume(#[source] VmError),
+    #[error("Cannot park the device event loop")]
+    EventLoop(#[from] ParkTimeout),
+    #[error("Cannot save vCPU state")]
+    Vcpu(#[from] VcpuError),
+    #[error("Cannot save the VM's KVM state")]
+    Arch(#[from] state::StateError),
+    #[error("Cannot write the snapshot")]
+    Write(#[from] snapshot::format::SnapshotError),
+    #[error("Cannot write the memory layer")]
     Layer(#[from] snapshot::layers::LayerError),
-    #[error("Cannot map restored memory")]
-    Mmap(#[from] snapshot::mmap::MmapError),
-    #[error("Cannot start the userfaultfd page server")]
-    Uffd(#[from] snapshot::uffd::UffdError),
-    #[error("Working set")]
-    WorkingSet(#[from] snapshot::uffd::WorkingSetError),
     #[error("Cannot write disk {disk}'s layer")]
     DiskLayer {
         disk: usize,
         #[source]
         source: devices::virtio::block::LayeredError,
     },
-    #[error("Snapshot state")]
-    StateBlob(#[from] StateBlobError),
-    #[error("The snapshot's VM state does not match its manifest: {0}")]
-    Inconsistent(String),
-    #[error("Device state")]
-    Device(#[from] devices::state::StateError),
-    #[error("The snapshot has a vsock device: give the restored VM a vsock socket path")]
-    NeedVsockPath,
-    #[error("Mailbox")]
-    Mailbox(#[from] crate::mailbox::MailboxError),
-    #[error("Cannot read guest memory")]
+    #[error("Cannot encode the VM state")]
+    Encode(#[from] StateBlobError),
+    #[error("Cannot read the dirty page log")]
     Memory(#[from] memory::MemoryError),
+    #[error("Cannot save the working set")]
+    WorkingSet(#[from] snapshot::uffd::WorkingSetError),
+}
+
+impl SnapshotError {
+    /// A stable snake_case name of the failure, for protocols.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::InvalidState(_) => "invalid_state",
+            Self::Lineage(LineageError::NoParent) => "no_parent",
+            Self::Lineage(LineageError::EphemeralParent) => "ephemeral_parent",
+            Self::Lease(LeaseError::Gone(_)) => "layer_gone",
+            Self::Pause(e) | Self::Resume(e) => e.code(),
+            Self::Vcpu(_) | Self::Arch(_) | Self::Memory(_) => "kvm",
+            Self::Lease(_)
+            | Self::Write(_)
+            | Self::Layer(_)
+            | Self::DiskLayer { .. }
+            | Self::WorkingSet(_) => "io",
+            Self::EventLoop(_) | Self::Encode(_) => "internal",
+        }
+    }
 }
 
 /// Guest RAM as the layer writers read it, over the RAM offset space.
@@ -145,7 +162,7 @@ fn memfd_data_ranges(f: &std::fs::File, size: u64) -> io::Result<Vec<(u64, u64)>
 impl Vm {
     /// Takes a snapshot into `dir` (which must not exist). The VM is paused for
     /// the capture and resumed after, unless it was paused already.
-    pub fn snapshot(&mut self, dir: &Path, kind: SnapshotKind) -> Result<(), PersistError> {
+    pub fn snapshot(&mut self, dir: &Path, kind: SnapshotKind) -> Result<(), SnapshotError> {
         self.lineage.check_snapshot(kind)?;
         self.snapshot_with(VmOp::Snapshot, dir, kind, false)
     }
@@ -158,10 +175,10 @@ impl Vm {
         dir: &Path,
         kind: SnapshotKind,
         fork_layer: bool,
-    ) -> Result<(), PersistError> {
+    ) -> Result<(), SnapshotError> {
         let before = self.state().after(op)?;
         if kind == SnapshotKind::Diff && self.lineage.parent().is_none() {
-            return Err(crate::lineage::LineageError::NoParent.into());
+            return Err(LineageError::NoParent.into());
         }
         // Refuse a bad destination before touching the VM.
         let shape = Shape {
@@ -179,17 +196,17 @@ impl Vm {
         let running = before == VmRunState::Running;
         let paused_at = std::time::Instant::now();
         if running {
-            self.pause()?;
+            self.pause().map_err(SnapshotError::Pause)?;
         }
         let mut dirty_taken = false;
         let res = self
             .event_loop
             .pause()
-            .map_err(|e| PersistError::Vm(VmError::EventLoop(io::Error::other(e))))
+            .map_err(SnapshotError::from)
             .and_then(|()| self.snapshot_paused(w, kind, &mut dirty_taken));
         self.event_loop.resume();
         if running {
-            self.resume()?;
+            self.resume().map_err(SnapshotError::Resume)?;
         }
         self.last_pause = paused_at.elapsed();
         let res = res.and_then(|s| {
@@ -215,7 +232,7 @@ impl Vm {
         }
     }
 
-    fn kernel_identity(&self) -> Result<KernelIdentity, PersistError> {
+    fn kernel_identity(&self) -> Result<KernelIdentity, SnapshotError> {
         match self.lineage.parent() {
             Some(p) => Ok(p.kernel().clone()),
             None => Ok(KernelIdentity::of_file(&self.config.kernel)?),
@@ -227,12 +244,12 @@ impl Vm {
         mut w: SnapshotWriter,
         kind: SnapshotKind,
         dirty_taken: &mut bool,
-    ) -> Result<Snapshot, PersistError> {
+    ) -> Result<Snapshot, SnapshotError> {
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for v in &mut self.vcpus {
-            vcpus.push(v.save_state(self.msrs.clone()).map_err(VmError::from)?);
+            vcpus.push(v.save_state(self.msrs.clone())?);
         }
-        let arch = state::save_vm(&self.vm, self.has_pit).map_err(VmError::from)?;
+        let arch = state::save_vm(&self.vm, self.has_pit)?;
         let mut virtio = Vec::with_capacity(self.devices.virtio.len());
         let mut disk = 0usize;
         let mut layered = Vec::new();
@@ -290,7 +307,7 @@ impl Vm {
             let data = w.add_disk_file(&name, &format!("{name}.data"))?;
             let map = w.add_disk_file(&name, &format!("{name}.map"))?;
             l.write_layer(&data, &map, disk_kind)
-                .map_err(|source| PersistError::DiskLayer { disk: *i, source })?;
+                .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })?;
         }
         let snap = w.commit()?;
         for (_, l) in &layered {
@@ -302,7 +319,7 @@ impl Vm {
     /// With the uffd backend, stores the pages the guest touched in its first
     /// moments after the restore as the snapshot's working set, which later
     /// restores prefetch. Returns whether one was saved.
-    pub fn save_working_set(&self) -> Result<bool, PersistError> {
+    pub fn save_working_set(&self) -> Result<bool, SnapshotError> {
         let (Backing::Uffd(u), Some(p)) = (&self.ram.backing, self.lineage.parent()) else {
             return Ok(false);
         };
@@ -324,8 +341,32 @@ impl Vm {
     }
 }
 
-impl From<crate::vm_devices::AttachError> for PersistError {
-    fn from(e: crate::vm_devices::AttachError) -> Self {
-        Self::Vm(VmError::Attach(e))
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run_state::VmRunState;
+    use crate::vcpu::ExitReason;
+
+    #[test]
+    fn codes_are_stable() {
+        let e = SnapshotError::from(InvalidState {
+            op: "snapshot",
+            state: VmRunState::Exited(ExitReason::Reset),
+        });
+        assert_eq!(e.code(), "invalid_state");
+        assert_eq!(
+            e.to_string(),
+            "Cannot snapshot: the VM has exited (guest reset)"
+        );
+        assert_eq!(
+            SnapshotError::from(LineageError::NoParent).code(),
+            "no_parent"
+        );
+        assert_eq!(
+            SnapshotError::from(LineageError::EphemeralParent).code(),
+            "ephemeral_parent"
+        );
+        let gone = LeaseError::Gone("/tmp/x".into());
+        assert_eq!(SnapshotError::from(gone).code(), "layer_gone");
     }
 }

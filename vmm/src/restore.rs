@@ -23,21 +23,120 @@ use crate::arch::kernel::EntryKind;
 use crate::arch::state;
 use crate::builder::{DeviceSource, Parts, VirtioSlot, VmBase};
 use crate::config::{VmConfig, VmSpec};
+use crate::lease::LeaseError;
 use crate::lease::{lease_chain, LayerLease};
 use crate::lineage::{new_instance_id, Lineage};
 use crate::memory::{self, Backing};
 use crate::options::{MemoryBackend, RestoreOptions};
-use crate::persist::PersistError;
 use crate::shell::VmShell;
 use crate::vm::{Vm, VmError};
 use crate::vm_devices::{AttachError, VirtioDev};
-use crate::vm_state::{disk_layer_name, DevState, VmState};
+use crate::vm_state::{disk_layer_name, DevState, StateBlobError, VmState};
+
+/// Why a VM was not restored.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("Cannot load the snapshot")]
+    Load(#[from] snapshot::format::SnapshotError),
+    #[error("Cannot open the snapshot's layers")]
+    Layers(#[from] snapshot::layers::LayerError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error("The snapshot chain is empty")]
+    EmptyChain,
+    #[error("The snapshot's VM state is unusable")]
+    State(#[from] StateBlobError),
+    #[error(
+        "The snapshot's manifest is for {manifest_vcpus} vCPUs and {manifest_mem_bytes} bytes, \
+         its VM state for {state_vcpus} vCPUs and {state_mem_mib} MiB with {vcpu_states} vCPU states"
+    )]
+    ShapeMismatch {
+        manifest_vcpus: u8,
+        manifest_mem_bytes: u64,
+        state_vcpus: u8,
+        state_mem_mib: u64,
+        vcpu_states: usize,
+    },
+    #[error(
+        "The shell is for {shell_vcpus} vCPUs and {shell_mem_bytes} bytes, \
+         the snapshot for {snapshot_vcpus} vCPUs and {snapshot_mem_bytes} bytes"
+    )]
+    ShellMismatch {
+        shell_vcpus: u8,
+        shell_mem_bytes: u64,
+        snapshot_vcpus: u8,
+        snapshot_mem_bytes: u64,
+    },
+    #[error("The snapshot has a PIT and this host's KVM has none")]
+    NoPit,
+    #[error("Block device {device} names disk {disk}; the snapshot has {disks} disks")]
+    NoSuchDisk {
+        device: usize,
+        disk: usize,
+        disks: usize,
+    },
+    #[error("The snapshot has a vsock device: give the restored VM a vsock socket path")]
+    NeedVsockPath,
+    #[error("Cannot build the VM")]
+    Vm(#[from] VmError),
+    #[error("Cannot restore the VM's KVM state")]
+    Arch(#[from] state::StateError),
+    #[error("Cannot restore a device")]
+    Device(#[from] devices::state::StateError),
+    #[error("Cannot attach a restored device")]
+    Attach(#[from] AttachError),
+    #[error("Cannot create disk {disk}'s private top")]
+    DiskLayer {
+        disk: usize,
+        #[source]
+        source: devices::virtio::block::LayeredError,
+    },
+    #[error("Cannot map restored memory")]
+    Mmap(#[from] snapshot::mmap::MmapError),
+    #[error("Cannot start the userfaultfd page server")]
+    Uffd(#[from] snapshot::uffd::UffdError),
+    #[error("Cannot load the working set")]
+    WorkingSet(#[from] snapshot::uffd::WorkingSetError),
+    #[error("Cannot use restored memory")]
+    Memory(#[from] memory::MemoryError),
+    #[error("Cannot resynchronise the mailbox")]
+    Mailbox(#[from] crate::mailbox::MailboxError),
+    #[error("Cannot run the restored VM")]
+    Resume(#[source] VmError),
+}
+
+impl RestoreError {
+    /// A stable snake_case name of the failure, for protocols.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Load(_)
+            | Self::Layers(_)
+            | Self::EmptyChain
+            | Self::State(_)
+            | Self::NoSuchDisk { .. }
+            | Self::Device(_)
+            | Self::Attach(AttachError::Restore(..))
+            | Self::WorkingSet(_) => "bad_snapshot",
+            Self::Lease(LeaseError::Gone(_)) => "layer_gone",
+            Self::ShapeMismatch { .. } | Self::ShellMismatch { .. } => "shape_mismatch",
+            Self::NeedVsockPath => "bad_request",
+            Self::NoPit | Self::Arch(_) => "kvm",
+            Self::Vm(e) | Self::Resume(e) => e.code(),
+            Self::Lease(_)
+            | Self::DiskLayer { .. }
+            | Self::Mmap(_)
+            | Self::Uffd(_)
+            | Self::Memory(_) => "io",
+            Self::Attach(_) | Self::Mailbox(_) => "internal",
+        }
+    }
+}
 
 impl Vm {
     /// Restores the VM saved in `dir` (and its parents) and runs it.
-    pub fn restore(dir: &Path, opts: RestoreOptions) -> Result<Vm, PersistError> {
+    pub fn restore(dir: &Path, opts: RestoreOptions) -> Result<Vm, RestoreError> {
         let mut vm = Self::restore_paused(dir, opts)?;
-        vm.resume()?;
+        vm.resume().map_err(RestoreError::Resume)?;
         vm.after_restore();
         Ok(vm)
     }
@@ -59,16 +158,16 @@ impl Vm {
         shell: VmShell,
         dir: &Path,
         opts: RestoreOptions,
-    ) -> Result<Vm, PersistError> {
+    ) -> Result<Vm, RestoreError> {
         let mut vm = Self::restore_impl(dir, opts, Some(shell))?;
-        vm.resume()?;
+        vm.resume().map_err(RestoreError::Resume)?;
         vm.after_restore();
         Ok(vm)
     }
 
     /// Restores the VM saved in `dir` with its vCPUs parked; [`Vm::resume`]
     /// then [`Vm::after_restore`] run it.
-    pub fn restore_paused(dir: &Path, opts: RestoreOptions) -> Result<Vm, PersistError> {
+    pub fn restore_paused(dir: &Path, opts: RestoreOptions) -> Result<Vm, RestoreError> {
         Self::restore_impl(dir, opts, None)
     }
 
@@ -76,7 +175,7 @@ impl Vm {
         dir: &Path,
         opts: RestoreOptions,
         shell: Option<VmShell>,
-    ) -> Result<Vm, PersistError> {
+    ) -> Result<Vm, RestoreError> {
         let (chain, stack) = load_for_restore(dir)?;
         let leases = lease_chain(&chain)?;
         Self::restore_loaded(&chain, stack, leases, opts, shell)
@@ -90,12 +189,10 @@ impl Vm {
         leases: Vec<LayerLease>,
         opts: RestoreOptions,
         shell: Option<VmShell>,
-    ) -> Result<Vm, PersistError> {
+    ) -> Result<Vm, RestoreError> {
         let t0 = std::time::Instant::now();
         let phase = |what: &str| log::debug!("restore: {what} at {:?}", t0.elapsed());
-        let top = chain
-            .last()
-            .ok_or_else(|| PersistError::Inconsistent("the snapshot chain is empty".into()))?;
+        let top = chain.last().ok_or(RestoreError::EmptyChain)?;
         let st = VmState::decode(top.state())?;
         let shape = top.shape();
         let mem_bytes = st.spec.mem_mib << 20;
@@ -103,28 +200,27 @@ impl Vm {
             || shape.mem_bytes != mem_bytes
             || st.vcpus.len() != usize::from(st.spec.vcpus)
         {
-            return Err(PersistError::Inconsistent(format!(
-                "manifest shape {} vCPUs / {} bytes, state {} vCPUs / {} MiB with {} vCPU states",
-                shape.vcpus,
-                shape.mem_bytes,
-                st.spec.vcpus,
-                st.spec.mem_mib,
-                st.vcpus.len()
-            )));
+            return Err(RestoreError::ShapeMismatch {
+                manifest_vcpus: shape.vcpus,
+                manifest_mem_bytes: shape.mem_bytes,
+                state_vcpus: st.spec.vcpus,
+                state_mem_mib: st.spec.mem_mib,
+                vcpu_states: st.vcpus.len(),
+            });
         }
         if let Some(s) = &shell {
             if s.vcpus != st.spec.vcpus || s.mem_bytes != mem_bytes {
-                return Err(PersistError::Inconsistent(format!(
-                    "the shell is for {} vCPUs / {} bytes, the snapshot {} vCPUs / {} bytes",
-                    s.vcpus, s.mem_bytes, st.spec.vcpus, mem_bytes
-                )));
+                return Err(RestoreError::ShellMismatch {
+                    shell_vcpus: s.vcpus,
+                    shell_mem_bytes: s.mem_bytes,
+                    snapshot_vcpus: st.spec.vcpus,
+                    snapshot_mem_bytes: mem_bytes,
+                });
             }
         }
         let mut base = VmBase::new(st.spec.vcpus, shell)?;
         if st.arch.pit.is_some() && !base.caps().pit2 {
-            return Err(PersistError::Inconsistent(
-                "the snapshot has a PIT and this host's KVM has none".into(),
-            ));
+            return Err(RestoreError::NoPit);
         }
         phase("KVM VM created");
 
@@ -163,7 +259,7 @@ impl Vm {
         };
         let mut b = base.set_memory(memory::from_backing(backing)?)?;
         phase("memory mapped and registered");
-        state::restore_vm(b.vm_fd(), &st.arch).map_err(VmError::from)?;
+        state::restore_vm(b.vm_fd(), &st.arch)?;
 
         let mut src = RestoreDevices {
             st: &st,
@@ -177,8 +273,8 @@ impl Vm {
             m.resync(st.mailbox_ready)?;
         }
         phase("devices restored");
-        b.add_vcpus(|fd, i| -> Result<(), PersistError> {
-            state::restore_vcpu(fd, i, &st.vcpus[usize::from(i)]).map_err(VmError::from)?;
+        b.add_vcpus(|fd, i| -> Result<(), RestoreError> {
+            state::restore_vcpu(fd, i, &st.vcpus[usize::from(i)])?;
             Ok(())
         })?;
         phase("vCPUs restored");
@@ -199,7 +295,7 @@ impl Vm {
 /// Loads and verifies `dir`'s chain and opens its layer stack.
 pub(crate) fn load_for_restore(
     dir: &Path,
-) -> Result<(Vec<Snapshot>, Arc<LayerStack>), PersistError> {
+) -> Result<(Vec<Snapshot>, Arc<LayerStack>), RestoreError> {
     let chain = Snapshot::load_chain(dir)?;
     let stack = Arc::new(LayerStack::open(&chain)?);
     Ok((chain, stack))
@@ -217,7 +313,7 @@ struct RestoreDevices<'a> {
 }
 
 impl DeviceSource for RestoreDevices<'_> {
-    type Error = PersistError;
+    type Error = RestoreError;
 
     fn serial(&mut self, irq_evt: EventFd) -> Result<Serial, AttachError> {
         let args = SerialRestoreArgs {
@@ -237,12 +333,12 @@ impl DeviceSource for RestoreDevices<'_> {
             .map_err(|e| AttachError::Restore("i8042", Box::new(e)))
     }
 
-    fn virtio(&mut self) -> Result<Vec<VirtioSlot>, PersistError> {
+    fn virtio(&mut self) -> Result<Vec<VirtioSlot>, RestoreError> {
         let mut out = Vec::with_capacity(self.st.virtio.len());
         for slot in &self.st.virtio {
             let (what, dev) = match &slot.dev {
                 DevState::Block { disk, state } => {
-                    let blk = self.block(*disk, state)?;
+                    let blk = self.block(out.len(), *disk, state)?;
                     ("virtio-blk", VirtioDev::Block(Arc::new(Mutex::new(blk))))
                 }
                 DevState::Vsock(s) => {
@@ -250,7 +346,7 @@ impl DeviceSource for RestoreDevices<'_> {
                         .opts
                         .vsock_uds
                         .clone()
-                        .ok_or(PersistError::NeedVsockPath)?;
+                        .ok_or(RestoreError::NeedVsockPath)?;
                     if let Some(v) = self.spec.vsock.as_mut() {
                         v.uds_path = uds.clone();
                     }
@@ -285,12 +381,20 @@ impl RestoreDevices<'_> {
     /// over its layers in the chain.
     fn block(
         &mut self,
+        device: usize,
         index: usize,
         state: &devices::virtio::block::BlockState,
-    ) -> Result<Block, PersistError> {
-        let cfg = self.spec.disks.get(index).cloned().ok_or_else(|| {
-            PersistError::Inconsistent(format!("block device names disk {index}"))
-        })?;
+    ) -> Result<Block, RestoreError> {
+        let cfg = self
+            .spec
+            .disks
+            .get(index)
+            .cloned()
+            .ok_or(RestoreError::NoSuchDisk {
+                device,
+                disk: index,
+                disks: self.spec.disks.len(),
+            })?;
         let disk = if cfg.read_only {
             BlockDisk::Image(cfg.path.clone())
         } else {
@@ -314,7 +418,7 @@ impl RestoreDevices<'_> {
             ));
             let disk =
                 LayeredDisk::create(layers, &top, state.capacity_bytes).map_err(|source| {
-                    PersistError::DiskLayer {
+                    RestoreError::DiskLayer {
                         disk: index,
                         source,
                     }
@@ -329,5 +433,36 @@ impl RestoreDevices<'_> {
             id: cfg.id.clone(),
         };
         Ok(Block::restore(args, state)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_errors_carry_their_numbers_and_stable_codes() {
+        let e = RestoreError::ShapeMismatch {
+            manifest_vcpus: 2,
+            manifest_mem_bytes: 256 << 20,
+            state_vcpus: 1,
+            state_mem_mib: 256,
+            vcpu_states: 1,
+        };
+        assert_eq!(e.code(), "shape_mismatch");
+        assert_eq!(
+            e.to_string(),
+            "The snapshot's manifest is for 2 vCPUs and 268435456 bytes, its VM state for 1 \
+             vCPUs and 256 MiB with 1 vCPU states"
+        );
+        let e = RestoreError::NoSuchDisk {
+            device: 0,
+            disk: 3,
+            disks: 1,
+        };
+        assert_eq!(e.code(), "bad_snapshot");
+        assert_eq!(RestoreError::NeedVsockPath.code(), "bad_request");
+        let e = RestoreError::State(StateBlobError::Version { found: 9 });
+        assert_eq!(e.code(), "bad_snapshot");
     }
 }

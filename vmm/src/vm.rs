@@ -63,6 +63,21 @@ pub enum VmError {
     InvalidState(#[from] InvalidState),
 }
 
+impl VmError {
+    /// A stable snake_case name of the failure, for protocols.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Config(_) | Self::Kernel(_) | Self::Disk(..) | Self::LayeredDisk(..) => {
+                "bad_request"
+            }
+            Self::InvalidState(_) => "invalid_state",
+            Self::Kvm(_) | Self::KvmOp(..) | Self::Regs(_) | Self::State(_) => "kvm",
+            Self::Memory(_) | Self::Vsock(_) | Self::Rng(_) => "io",
+            Self::Boot(_) | Self::Attach(_) | Self::EventLoop(_) | Self::Vcpu(_) => "internal",
+        }
+    }
+}
+
 /// A booted VM. Dropping it stops every thread it started and frees its memory.
 pub struct Vm {
     // Field order is drop order: threads first, then what they use, the VM
