@@ -1,10 +1,55 @@
-//! Saved device state: what every `save_state`/`from_state` pair shares.
+//! Saved device state: the one convention every device follows ([`Persist`]), the
+//! versions of every state ([`versions`]), and the error a restore fails with.
 //!
 //! Each device keeps a `Serialize`/`Deserialize` state struct beside it, with a
 //! `version` field first. A state is produced between two event-loop dispatches (vCPUs
 //! paused, event loop parked) and restored into a fresh device. Everything in a state
 //! file is untrusted: restoring a state with a wrong version or values the device could
 //! never have had fails with a [`StateError`], never a panic.
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Every saved state's version, in one place. A device state's version is checked
+/// when it is restored; [`VM`](versions::VM) is the version of the VMM's whole-VM
+/// state blob, which embeds every device state below along with the KVM state and
+/// the machine spec.
+///
+/// Change a state's shape (a field added, removed, retyped or reordered, an enum
+/// variant added) and you bump its version here *and* `VM`, then re-bless the golden
+/// snapshot state (`SPROUT_BLESS=1 cargo test -p sprout-tests --test state_blob`).
+pub mod versions {
+    /// [`SerialState`](crate::legacy::serial::SerialState).
+    pub const SERIAL: u16 = 1;
+    /// [`I8042State`](crate::legacy::i8042::I8042State).
+    pub const I8042: u16 = 1;
+    /// [`MmioTransportState`](crate::virtio::mmio::MmioTransportState).
+    pub const MMIO_TRANSPORT: u16 = 1;
+    /// [`BlockState`](crate::virtio::block::BlockState).
+    pub const BLOCK: u16 = 1;
+    /// [`VsockState`](crate::virtio::vsock::VsockState).
+    pub const VSOCK: u16 = 1;
+    /// [`RngState`](crate::virtio::rng::RngState).
+    pub const RNG: u16 = 1;
+    /// The VMM's `VmState` blob (a snapshot's `state.bin`).
+    pub const VM: u32 = 1;
+}
+
+/// How a device is saved and restored.
+///
+/// `save` runs between two event-loop dispatches (nothing half served). `restore`
+/// builds a new device in the saved state from what the VMM chooses again at restore
+/// time (`RestoreArgs`: an interrupt eventfd, where output goes, the disk, a socket
+/// path), checking the state's version and every value first.
+pub trait Persist: Sized {
+    type State: Serialize + DeserializeOwned;
+    /// What a restore needs besides the state.
+    type RestoreArgs;
+
+    fn save(&self) -> Self::State;
+
+    fn restore(args: Self::RestoreArgs, state: &Self::State) -> Result<Self, StateError>;
+}
 
 /// Why a saved state cannot be restored.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +70,12 @@ pub enum StateError {
         #[source]
         source: crate::virtio::ActivateError,
     },
+    #[error("Cannot rebuild the {what} device")]
+    Rebuild {
+        what: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl StateError {
@@ -39,6 +90,16 @@ impl StateError {
         Self::Mismatch {
             what,
             reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn rebuild(
+        what: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Rebuild {
+            what,
+            source: Box::new(source),
         }
     }
 }

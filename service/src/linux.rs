@@ -78,7 +78,7 @@ pub enum LinuxError {
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("Cannot restore {0}")]
-    Restore(PathBuf, #[source] vmm::PersistError),
+    Restore(PathBuf, #[source] vmm::RestoreError),
     #[error("No VM listens on {0} (the socket did not appear within 5 s)")]
     NoVm(PathBuf),
     #[error("--exec, --put and --get need a Linux guest with the agent; this snapshot is of the test guest")]

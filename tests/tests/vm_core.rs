@@ -131,3 +131,63 @@ fn stopping_a_running_vm_is_clean() {
     assert_eq!(vm.exit_reason(), None);
     assert_eq!(vm.stop(), ExitReason::Stopped);
 }
+
+#[test]
+fn the_run_state_follows_the_vm_and_refuses_what_it_does_not_allow() {
+    use vmm::{SnapshotKind, Vm, VmError, VmRunState};
+    let dir = sprout_tests::TempDir::new("run-state");
+    let (cfg, console) = config(2, 128);
+    let mut vm = Vm::create(cfg).unwrap();
+    assert_eq!(vm.state(), VmRunState::Created);
+    assert!(!vm.is_paused());
+    let e = vm.pause().unwrap_err();
+    assert_eq!(e.to_string(), "Cannot pause: the VM has not started");
+    vm.resume().unwrap();
+    assert_eq!(vm.state(), VmRunState::Running);
+    for c in 0..2 {
+        vm.mailbox()
+            .unwrap()
+            .wait_ready(c, TIMEOUT)
+            .unwrap_or_else(|e| panic!("vCPU {c} not ready: {e}\nconsole:\n{}", console.text()));
+    }
+
+    let e = vm.resume().unwrap_err();
+    assert!(matches!(&e, VmError::InvalidState(s) if s.state == VmRunState::Running));
+    assert_eq!(e.to_string(), "Cannot resume: the VM is running");
+
+    vm.pause().unwrap();
+    assert_eq!(vm.state(), VmRunState::Paused);
+    assert!(vm.is_paused());
+    let e = vm.pause().unwrap_err();
+    assert_eq!(e.to_string(), "Cannot pause: the VM is paused");
+    // A snapshot of a paused VM leaves it paused.
+    vm.snapshot(&dir.path().join("paused"), SnapshotKind::Full)
+        .unwrap();
+    assert_eq!(vm.state(), VmRunState::Paused);
+    vm.resume().unwrap();
+    call(&vm, 1, mb::CMD_ECHO, [7, 0, 0, 0]);
+
+    // The guest resets the machine: every operation but stop is refused.
+    vm.mailbox()
+        .unwrap()
+        .call(
+            0,
+            mb::CMD_RESET,
+            [0; 4],
+            std::time::Duration::from_millis(1),
+        )
+        .ok();
+    assert_eq!(vm.wait(Some(TIMEOUT)), Some(ExitReason::Reset));
+    assert_eq!(vm.state(), VmRunState::Exited(ExitReason::Reset));
+    let e = vm
+        .snapshot(&dir.path().join("exited"), SnapshotKind::Full)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "Cannot snapshot: the VM has exited (guest reset)"
+    );
+    assert!(!dir.path().join("exited").exists());
+    assert!(vm.pause().is_err());
+    assert!(vm.resume().is_err());
+    assert_eq!(vm.stop(), ExitReason::Reset);
+}

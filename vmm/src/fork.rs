@@ -24,11 +24,49 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use devices::legacy::SerialOutput;
 
 use crate::lineage::new_instance_id;
-use crate::persist::{MemoryBackend, PersistError, RestoreOptions};
+use crate::options::{MemoryBackend, RestoreOptions, SnapshotKind};
+use crate::persist::SnapshotError;
+use crate::restore::RestoreError;
 use crate::shell::ShellPool;
 use crate::vm::Vm;
 
 static LAYER_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Why a fork did not make its children.
+#[derive(Debug, thiserror::Error)]
+pub enum ForkError {
+    #[error("A fork needs at least one child")]
+    NoChildren,
+    #[error("The VM has a vsock device: give the fork a directory for the children's sockets")]
+    NeedVsockDir,
+    #[error("Cannot write the fork layer")]
+    Layer(#[source] SnapshotError),
+    #[error("Cannot build a shell for a child")]
+    Shell(#[source] crate::vm::VmError),
+    #[error("Cannot load the fork layer")]
+    Load(#[source] RestoreError),
+    #[error("Cannot start child {index}")]
+    Child {
+        index: usize,
+        #[source]
+        source: RestoreError,
+    },
+    #[error("The start of child {index} panicked")]
+    ChildPanicked { index: usize },
+}
+
+impl ForkError {
+    /// A stable snake_case name of the failure, for protocols.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::NoChildren | Self::NeedVsockDir => "bad_request",
+            Self::Layer(e) => e.code(),
+            Self::Shell(e) => e.code(),
+            Self::Load(e) | Self::Child { source: e, .. } => e.code(),
+            Self::ChildPanicked { .. } => "internal",
+        }
+    }
+}
 
 /// A fork layer just written: where it is, and what it is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,17 +110,17 @@ impl Vm {
     /// layer into a new directory under `scratch_dir`, then lets it run on.
     /// The layer is leased by this VM (for its next diff) and removed when
     /// its last user, in any process, is gone (see [`crate::lease`]).
-    pub fn write_fork_layer(&mut self, scratch_dir: &Path) -> Result<ForkLayer, PersistError> {
+    pub fn write_fork_layer(&mut self, scratch_dir: &Path) -> Result<ForkLayer, SnapshotError> {
         let kind = self.lineage.fork_layer_kind();
         let dir = scratch_dir.join(format!(
             "sprout-layer-{:016x}-{}",
             self.instance_id(),
             LAYER_SEQ.fetch_add(1, Ordering::Relaxed)
         ));
-        self.snapshot_with(&dir, kind, true)?;
+        self.snapshot_with(crate::run_state::VmOp::Fork, &dir, kind, true)?;
         Ok(ForkLayer {
             dir,
-            diff: kind == crate::persist::SnapshotKind::Diff,
+            diff: kind == SnapshotKind::Diff,
             depth: self.lineage.depth(),
             pause: self.last_pause,
         })
@@ -95,9 +133,9 @@ impl Vm {
         dir: &Path,
         shell: Option<crate::shell::VmShell>,
         opts: RestoreOptions,
-    ) -> Result<Vm, PersistError> {
+    ) -> Result<Vm, RestoreError> {
         let mut child = Self::restore_impl(dir, opts, shell)?;
-        child.resume()?;
+        child.resume().map_err(RestoreError::Resume)?;
         child.after_restore();
         Ok(child)
     }
@@ -111,24 +149,27 @@ impl Vm {
         n: usize,
         opts: &ForkOptions,
         pool: Option<&ShellPool>,
-    ) -> Result<Vec<Vm>, PersistError> {
+    ) -> Result<Vec<Vm>, ForkError> {
         if n == 0 {
-            return Err(PersistError::NoChildren);
+            return Err(ForkError::NoChildren);
         }
         if self.config.vsock.is_some() && opts.vsock_dir.is_none() {
-            return Err(PersistError::NeedVsockDir);
+            return Err(ForkError::NeedVsockDir);
         }
-        let layer = self.write_fork_layer(&opts.scratch_dir)?;
+        let layer = self
+            .write_fork_layer(&opts.scratch_dir)
+            .map_err(ForkError::Layer)?;
         let mut shells = Vec::with_capacity(n);
         for _ in 0..n {
             shells.push(match pool {
-                Some(p) => Some(p.take()?),
+                Some(p) => Some(p.take().map_err(ForkError::Shell)?),
                 None => None,
             });
         }
         // Loaded and verified once; every child maps the same layer stack.
-        let (chain, stack) = crate::persist::load_for_restore(&layer.dir)?;
-        let results: Vec<Result<Vm, PersistError>> = std::thread::scope(|s| {
+        let (chain, stack) =
+            crate::restore::load_for_restore(&layer.dir).map_err(ForkError::Load)?;
+        let results: Vec<Result<Vm, ForkError>> = std::thread::scope(|s| {
             let handles: Vec<_> = shells
                 .into_iter()
                 .map(|shell| {
@@ -145,7 +186,7 @@ impl Vm {
                             .map(|d| d.join(format!("vm-{id:016x}.vsock")));
                         let leases = crate::lease::lease_chain(chain)?;
                         let mut child = Vm::restore_loaded(chain, stack, leases, o, shell)?;
-                        child.resume()?;
+                        child.resume().map_err(RestoreError::Resume)?;
                         child.after_restore();
                         Ok(child)
                     })
@@ -153,12 +194,13 @@ impl Vm {
                 .collect();
             handles
                 .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(PersistError::Inconsistent(
-                            "a fork child's start panicked".into(),
-                        ))
-                    })
+                .map(|h| h.join())
+                .collect::<Vec<_>>()
+                .into_iter()
+                .enumerate()
+                .map(|(index, r)| match r {
+                    Ok(r) => r.map_err(|source| ForkError::Child { index, source }),
+                    Err(_) => Err(ForkError::ChildPanicked { index }),
                 })
                 .collect()
         });

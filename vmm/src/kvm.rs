@@ -1,6 +1,11 @@
 //! Opening `/dev/kvm` and checking what the host KVM offers.
 
-use kvm_ioctls::{Cap, Kvm};
+use kvm_bindings::kvm_pit_config;
+use kvm_ioctls::{Cap, Kvm, VmFd};
+
+/// Where KVM puts the TSS it needs for real-mode emulation: the top of the
+/// 32-bit space, below the BIOS area, outside RAM.
+const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KvmError {
@@ -12,6 +17,10 @@ pub enum KvmError {
     ApiVersion(i32),
     #[error("Host KVM lacks {0}, which Sprout needs")]
     MissingCap(&'static str),
+    #[error("This host's KVM runs at most {0} vCPUs")]
+    HostVcpus(usize),
+    #[error("KVM refused to {0}")]
+    Op(&'static str, #[source] kvm_ioctls::Error),
 }
 
 /// What the host KVM supports, probed once with `KVM_CHECK_EXTENSION`.
@@ -48,4 +57,31 @@ pub fn open() -> Result<(Kvm, HostCaps), KvmError> {
         max_vcpus: kvm.get_max_vcpus(),
     };
     Ok((kvm, caps))
+}
+
+/// Opens KVM and creates a VM for `vcpus` vCPUs with its in-kernel irqchip
+/// (and PIT if the host has one).
+pub fn create_vm(vcpus: u8) -> Result<(Kvm, HostCaps, VmFd), KvmError> {
+    let (kvm, caps) = open()?;
+    if usize::from(vcpus) > caps.max_vcpus {
+        return Err(KvmError::HostVcpus(caps.max_vcpus));
+    }
+    let vm = kvm
+        .create_vm()
+        .map_err(|e| KvmError::Op("create a VM", e))?;
+    vm.set_tss_address(KVM_TSS_ADDRESS)
+        .map_err(|e| KvmError::Op("set the TSS address", e))?;
+    vm.create_irq_chip()
+        .map_err(|e| KvmError::Op("create the in-kernel irqchip", e))?;
+    if caps.pit2 {
+        let pit = kvm_pit_config {
+            flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm.create_pit2(pit)
+            .map_err(|e| KvmError::Op("create the in-kernel PIT", e))?;
+    } else {
+        log::warn!("host KVM has no in-kernel PIT (KVM_CAP_PIT2): the guest runs without one");
+    }
+    Ok((kvm, caps, vm))
 }

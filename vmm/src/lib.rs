@@ -7,7 +7,9 @@
 //! the device event loop.
 
 pub mod arch;
+mod builder;
 pub mod config;
+mod create;
 pub mod event_loop;
 pub mod fork;
 pub mod kvm;
@@ -15,20 +17,28 @@ pub mod lease;
 pub mod lineage;
 pub mod mailbox;
 pub mod memory;
+mod options;
 mod persist;
+mod restore;
+pub mod run_state;
 pub mod shell;
 pub mod vcpu;
 pub mod vm;
 mod vm_devices;
+pub mod vm_state;
 
 /// The guest physical layout: every guest address the VMM uses comes from here.
 pub use guest_abi::layout;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig};
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
-pub use fork::{ForkLayer, ForkOptions};
+pub use fork::{ForkError, ForkLayer, ForkOptions};
 pub use lease::{LayerLease, LeaseError};
 pub use lineage::{new_instance_id, Lineage, LineageError, MAX_CHAIN_DEPTH};
-pub use persist::{MemoryBackend, PersistError, RestoreOptions, SnapshotKind};
+pub use options::{MemoryBackend, RestoreOptions, SnapshotKind};
+pub use persist::SnapshotError;
+pub use restore::RestoreError;
+pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};
+pub use vm_state::{StateBlobError, VmState, STATE_VERSION};

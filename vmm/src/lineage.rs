@@ -21,7 +21,7 @@ use crate::lease::LayerLease;
 pub const MAX_CHAIN_DEPTH: usize = 8;
 
 /// Whole or changed-only: see [`crate::SnapshotKind`].
-pub use crate::persist::SnapshotKind;
+pub use crate::options::SnapshotKind;
 
 /// Why a layer cannot be written on this lineage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

@@ -13,10 +13,11 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use snapshot::Reservation;
 
 use crate::arch::state;
+use crate::kvm::create_vm;
 use crate::kvm::HostCaps;
 use crate::layout;
 use crate::memory;
-use crate::vm::{kvm_vm, VmError};
+use crate::vm::VmError;
 
 /// A pre-built VM of a given shape, waiting for a snapshot to run.
 pub struct VmShell {
@@ -40,7 +41,7 @@ impl VmShell {
             return Err(crate::config::ConfigError::Memory(mem_mib).into());
         }
         let mem_bytes = mem_mib << 20;
-        let (kvm, caps, vm) = kvm_vm(vcpus)?;
+        let (kvm, caps, vm) = create_vm(vcpus)?;
         let reservation = Reservation::new(mem_bytes as usize)
             .map_err(|e| VmError::Memory(memory::MemoryError::Memfd(e)))?;
         memory::register_range(&vm, reservation.as_ptr(), mem_bytes, true)?;

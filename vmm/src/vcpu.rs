@@ -19,6 +19,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::arch::state::{save_vcpu, StateError, VcpuState};
+use crate::run_state::{VcpuControl, Want};
 
 /// Why a VM stopped.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -171,12 +172,16 @@ pub struct VcpuContext {
 pub struct Vcpu {
     index: u8,
     state: RunState,
-    tx: Sender<Command>,
-    acks: Receiver<Ack>,
+    tx: Sender<(u64, Command)>,
+    acks: Receiver<(u64, Ack)>,
+    /// Sequence number of the last command sent: every ack carries its
+    /// command's, so a late ack (after a timeout) is told apart and dropped.
+    seq: u64,
     thread: Option<JoinHandle<()>>,
 }
 
-const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the host waits for a vCPU to answer a command.
+pub const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Vcpu {
     /// Starts the thread for `fd`, parked in `Created` until [`Vcpu::resume`].
@@ -193,6 +198,7 @@ impl Vcpu {
             state: RunState::Created,
             tx,
             acks,
+            seq: 0,
             thread: Some(thread),
         })
     }
@@ -213,21 +219,45 @@ impl Vcpu {
         }
     }
 
-    fn send(&mut self, cmd: Command) -> Result<Ack, VcpuError> {
-        self.tx.send(cmd).map_err(|_| VcpuError::Gone(self.index))?;
+    /// Sends `cmd` and kicks the thread out of `KVM_RUN`; `wait_ack`
+    /// collects the answer. Sending to several vCPUs before waiting on any
+    /// lets them all stop at once.
+    fn send_cmd(&mut self, cmd: Command) -> Result<u64, VcpuError> {
+        self.seq += 1;
+        self.tx
+            .send((self.seq, cmd))
+            .map_err(|_| VcpuError::Gone(self.index))?;
         self.kick();
-        match self.acks.recv_timeout(ACK_TIMEOUT) {
-            Ok(Ack::State(s)) => {
-                self.state = s;
-                Ok(Ack::State(s))
-            }
-            Ok(a) => Ok(a),
-            Err(RecvTimeoutError::Timeout) => Err(VcpuError::Timeout(self.index, ACK_TIMEOUT)),
-            Err(RecvTimeoutError::Disconnected) => {
-                self.state = RunState::Exited;
-                Err(VcpuError::Gone(self.index))
+        Ok(self.seq)
+    }
+
+    /// Waits (at most [`ACK_TIMEOUT`]) for the answer to command `seq`,
+    /// dropping answers to earlier commands that came too late.
+    fn wait_ack(&mut self, seq: u64) -> Result<Ack, VcpuError> {
+        let deadline = std::time::Instant::now() + ACK_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.acks.recv_timeout(left) {
+                Ok((n, _)) if n < seq => continue,
+                Ok((_, Ack::State(s))) => {
+                    self.state = s;
+                    return Ok(Ack::State(s));
+                }
+                Ok((_, a)) => return Ok(a),
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(VcpuError::Timeout(self.index, ACK_TIMEOUT))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.state = RunState::Exited;
+                    return Err(VcpuError::Gone(self.index));
+                }
             }
         }
+    }
+
+    fn send(&mut self, cmd: Command) -> Result<Ack, VcpuError> {
+        let seq = self.send_cmd(cmd)?;
+        self.wait_ack(seq)
     }
 
     /// Starts or resumes running guest code.
@@ -256,12 +286,26 @@ impl Vcpu {
         if self.thread.is_none() {
             return;
         }
-        let _ = self.tx.send(Command::Exit);
+        self.seq += 1;
+        let _ = self.tx.send((self.seq, Command::Exit));
         self.kick();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
         self.state = RunState::Exited;
+    }
+}
+
+impl VcpuControl for Vcpu {
+    fn request(&mut self, want: Want) -> Result<u64, VcpuError> {
+        self.send_cmd(match want {
+            Want::Run => Command::Run,
+            Want::Park => Command::Pause,
+        })
+    }
+
+    fn wait(&mut self, seq: u64) -> Result<(), VcpuError> {
+        self.wait_ack(seq).map(|_| ())
     }
 }
 
@@ -281,41 +325,45 @@ fn run_thread(
     index: u8,
     mut fd: VcpuFd,
     ctx: VcpuContext,
-    rx: Receiver<Command>,
-    acks: Sender<Ack>,
+    rx: Receiver<(u64, Command)>,
+    acks: Sender<(u64, Ack)>,
 ) {
     KVM_RUN.with(|c| c.set(fd.get_kvm_run() as *mut kvm_run));
     let mut state = RunState::Created;
     loop {
         if state != RunState::Running {
             // Parked: block for the next command.
-            match rx.recv() {
-                Ok(Command::Run) if state != RunState::Exited => state = RunState::Running,
-                Ok(Command::Run) | Ok(Command::Pause) => {}
-                Ok(Command::Save(msrs)) => {
+            let (seq, cmd) = match rx.recv() {
+                Ok(c) => c,
+                Err(_) => break,
+            };
+            match cmd {
+                Command::Run if state != RunState::Exited => state = RunState::Running,
+                Command::Run | Command::Pause => {}
+                Command::Save(msrs) => {
                     let r = save_vcpu(&fd, index, &msrs).map(Box::new);
-                    let _ = acks.send(Ack::Saved(r));
+                    let _ = acks.send((seq, Ack::Saved(r)));
                     continue;
                 }
-                Ok(Command::Exit) | Err(_) => break,
+                Command::Exit => break,
             }
-            let _ = acks.send(Ack::State(state));
+            let _ = acks.send((seq, Ack::State(state)));
             continue;
         }
         fd.set_kvm_immediate_exit(0);
         match rx.try_recv() {
-            Ok(Command::Pause) => {
+            Ok((seq, Command::Pause)) => {
                 state = RunState::Paused;
-                let _ = acks.send(Ack::State(state));
+                let _ = acks.send((seq, Ack::State(state)));
                 continue;
             }
-            Ok(Command::Run) => {
-                let _ = acks.send(Ack::State(state));
+            Ok((seq, Command::Run)) => {
+                let _ = acks.send((seq, Ack::State(state)));
             }
-            Ok(Command::Save(_)) => {
-                let _ = acks.send(Ack::Saved(Err(StateError::Running(index))));
+            Ok((seq, Command::Save(_))) => {
+                let _ = acks.send((seq, Ack::Saved(Err(StateError::Running(index)))));
             }
-            Ok(Command::Exit) | Err(TryRecvError::Disconnected) => break,
+            Ok((_, Command::Exit)) | Err(TryRecvError::Disconnected) => break,
             Err(TryRecvError::Empty) => {}
         }
         let flow = match fd.run() {

@@ -5,7 +5,7 @@
 use devices::virtio::GuestMemoryMmap;
 use std::sync::{Arc, Mutex};
 
-use devices::legacy::{Serial, SerialOutput, I8042};
+use devices::legacy::{Serial, I8042};
 use devices::virtio::block::Block;
 use devices::virtio::mmio::{MmioTransport, NOTIFY_REG_OFFSET};
 use devices::virtio::rng::Rng;
@@ -63,10 +63,8 @@ pub struct DeviceHandles {
     pub virtio: Vec<VirtioHandle>,
 }
 
-/// The buses and routing being built for one VM.
-pub struct Attach<'a> {
-    pub vm: &'a VmFd,
-    pub mem: &'a GuestMemoryMmap,
+/// The buses and routing being built for one VM, kept between attach steps.
+pub struct Wiring {
     pub pio: Bus,
     pub mmio: Bus,
     pub em: Manager,
@@ -76,11 +74,9 @@ pub struct Attach<'a> {
     next_virtio: u32,
 }
 
-impl<'a> Attach<'a> {
-    pub fn new(vm: &'a VmFd, mem: &'a GuestMemoryMmap, em: Manager, exit: Arc<ExitSignal>) -> Self {
+impl Wiring {
+    pub fn new(em: Manager, exit: Arc<ExitSignal>) -> Self {
         Self {
-            vm,
-            mem,
             pio: Bus::new(),
             mmio: Bus::new(),
             em,
@@ -89,7 +85,16 @@ impl<'a> Attach<'a> {
             next_virtio: 0,
         }
     }
+}
 
+/// One attach step's view of a VM: its KVM VM, guest memory and wiring.
+pub struct Attach<'a> {
+    pub vm: &'a VmFd,
+    pub mem: &'a GuestMemoryMmap,
+    pub w: &'a mut Wiring,
+}
+
+impl Attach<'_> {
     fn irq_eventfd(&self, what: &'static str, gsi: u32) -> Result<EventFd, AttachError> {
         let evt = EventFd::new(EFD_NONBLOCK).map_err(|e| AttachError::EventFd(what, e))?;
         self.vm
@@ -99,26 +104,24 @@ impl<'a> Attach<'a> {
     }
 
     /// The 8250 at port 0x3f8 (Linux's ttyS0) and at its MMIO alias (the test
-    /// guest's, since port I/O from guest user mode traps), on GSI 4.
-    pub fn attach_serial(&mut self, out: SerialOutput) -> Result<Arc<Mutex<Serial>>, AttachError> {
-        self.attach_serial_with(|evt| Ok(Serial::new(evt, out)))
-    }
-
-    /// The serial port, built by `make` from its interrupt eventfd.
+    /// guest's, since port I/O from guest user mode traps), on GSI 4, built by
+    /// `make` from its interrupt eventfd.
     pub fn attach_serial_with(
         &mut self,
         make: impl FnOnce(EventFd) -> Result<Serial, AttachError>,
     ) -> Result<Arc<Mutex<Serial>>, AttachError> {
         let evt = self.irq_eventfd("serial", layout::SERIAL_GSI)?;
         let serial = Arc::new(Mutex::new(make(evt)?));
-        self.pio
+        self.w
+            .pio
             .insert(
                 serial.clone(),
                 u64::from(layout::SERIAL_PORT),
                 u64::from(layout::SERIAL_PORT_SIZE),
             )
             .map_err(|e| AttachError::Bus("serial", e))?;
-        self.mmio
+        self.w
+            .mmio
             .insert(
                 serial.clone(),
                 layout::SERIAL_MMIO,
@@ -128,12 +131,8 @@ impl<'a> Attach<'a> {
         Ok(serial)
     }
 
-    /// The i8042: a guest reset through it ends the VM with `ExitReason::Reset`.
-    pub fn attach_i8042(&mut self) -> Result<Arc<Mutex<I8042>>, AttachError> {
-        self.attach_i8042_with(|evt| Ok(I8042::new(evt)))
-    }
-
-    /// The i8042, built by `make` from its reset eventfd.
+    /// The i8042, built by `make` from its reset eventfd: a guest reset
+    /// through it ends the VM with `ExitReason::Reset`.
     pub fn attach_i8042_with(
         &mut self,
         make: impl FnOnce(EventFd) -> Result<I8042, AttachError>,
@@ -143,16 +142,17 @@ impl<'a> Attach<'a> {
             .try_clone()
             .map_err(|e| AttachError::EventFd("i8042", e))?;
         let dev = Arc::new(Mutex::new(make(evt)?));
-        self.pio
+        self.w
+            .pio
             .insert(
                 dev.clone(),
                 u64::from(layout::I8042_PORT),
                 u64::from(layout::I8042_PORT_SIZE),
             )
             .map_err(|e| AttachError::Bus("i8042", e))?;
-        self.em.add_subscriber(Arc::new(Mutex::new(ResetWatcher {
+        self.w.em.add_subscriber(Arc::new(Mutex::new(ResetWatcher {
             evt: watch,
-            exit: self.exit.clone(),
+            exit: self.w.exit.clone(),
         })));
         Ok(dev)
     }
@@ -171,7 +171,7 @@ impl<'a> Attach<'a> {
     where
         D: VirtioDevice + MutEventSubscriber + Send + 'static,
     {
-        let i = self.next_virtio;
+        let i = self.w.next_virtio;
         if i >= layout::VIRTIO_MMIO_MAX {
             return Err(AttachError::NoSlot);
         }
@@ -193,13 +193,15 @@ impl<'a> Attach<'a> {
             }
         }
         let transport = Arc::new(Mutex::new(transport(self.mem, dev.clone())?));
-        self.mmio
+        self.w
+            .mmio
             .insert(transport.clone(), base, layout::VIRTIO_MMIO_SIZE)
             .map_err(|e| AttachError::Bus(what, e))?;
-        self.em.add_subscriber(dev);
-        self.cmdline_devices
+        self.w.em.add_subscriber(dev);
+        self.w
+            .cmdline_devices
             .push(format!("virtio_mmio.device=4K@{base:#x}:{gsi}"));
-        self.next_virtio += 1;
+        self.w.next_virtio += 1;
         Ok(transport)
     }
 
@@ -208,8 +210,9 @@ impl<'a> Attach<'a> {
         let irqs = (0..vcpus)
             .map(|c| self.irq_eventfd("mailbox", layout::MAILBOX_GSI_BASE + u32::from(c)))
             .collect::<Result<Vec<_>, _>>()?;
-        let (mailbox, dev) = Mailbox::new(self.mem.clone(), irqs, self.exit.clone());
-        self.mmio
+        let (mailbox, dev) = Mailbox::new(self.mem.clone(), irqs, self.w.exit.clone());
+        self.w
+            .mmio
             .insert(
                 Arc::new(Mutex::new(dev)),
                 layout::MAILBOX_MMIO,

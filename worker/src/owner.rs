@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vmm::vcpu::ExitSignal;
-use vmm::{PersistError, RestoreOptions, SerialOutput, Vm, VmConfig, VmError, VmShell};
+use vmm::{RestoreOptions, SerialOutput, Vm, VmConfig, VmError, VmShell};
 
 use crate::metrics;
 use crate::protocol::{
@@ -60,45 +60,30 @@ pub fn chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// The stable code of a VMM snapshot/restore/fork failure.
-pub fn persist_code(e: &PersistError) -> ErrorCode {
-    use vmm::LineageError;
-    match e {
-        PersistError::Exited(_) => ErrorCode::InvalidState,
-        PersistError::Lineage(LineageError::NoParent) => ErrorCode::NoParent,
-        PersistError::Lineage(LineageError::EphemeralParent) => ErrorCode::EphemeralParent,
-        PersistError::Lease(vmm::LeaseError::Gone(_)) => ErrorCode::LayerGone,
-        PersistError::Lease(_) => ErrorCode::Io,
-        PersistError::NoChildren | PersistError::NeedVsockDir | PersistError::NeedVsockPath => {
-            ErrorCode::BadRequest
-        }
-        PersistError::Vm(v) => vm_code(v),
-        PersistError::Snapshot(_)
-        | PersistError::Layer(_)
-        | PersistError::Decode(_)
-        | PersistError::StateVersion(_)
-        | PersistError::Inconsistent(_)
-        | PersistError::Device(_)
-        | PersistError::WorkingSet(_) => ErrorCode::BadSnapshot,
-        PersistError::DiskLayer { .. }
-        | PersistError::Mmap(_)
-        | PersistError::Uffd(_)
-        | PersistError::Memory(_) => ErrorCode::Io,
+/// The protocol code of a VMM failure's stable code (`code()` of the VMM's
+/// error types).
+pub fn protocol_code(code: &str) -> ErrorCode {
+    match code {
+        "invalid_state" => ErrorCode::InvalidState,
+        "no_parent" => ErrorCode::NoParent,
+        "ephemeral_parent" => ErrorCode::EphemeralParent,
+        "layer_gone" => ErrorCode::LayerGone,
+        "bad_snapshot" => ErrorCode::BadSnapshot,
+        "shape_mismatch" => ErrorCode::ShapeMismatch,
+        "bad_request" => ErrorCode::BadRequest,
+        "io" => ErrorCode::Io,
+        "kvm" => ErrorCode::Kvm,
         _ => ErrorCode::Internal,
     }
 }
 
 pub fn vm_code(e: &VmError) -> ErrorCode {
-    match e {
-        VmError::Config(_) => ErrorCode::BadRequest,
-        VmError::Kvm(_) | VmError::KvmOp(..) | VmError::HostVcpus(_) => ErrorCode::Kvm,
-        VmError::Disk(..) | VmError::LayeredDisk(..) | VmError::Kernel(_) => ErrorCode::BadRequest,
-        _ => ErrorCode::Internal,
-    }
+    protocol_code(e.code())
 }
 
-fn persist_err(what: &str, e: &PersistError) -> Response {
-    err(persist_code(e), format!("Cannot {what}: {}", chain(e)))
+/// A failed VMM operation `what`, with its code and causes.
+fn vmm_err(what: &str, code: &'static str, e: &dyn std::error::Error) -> Response {
+    err(protocol_code(code), format!("Cannot {what}: {}", chain(e)))
 }
 
 impl Owner {
@@ -216,7 +201,7 @@ impl Owner {
                     return Err(invalid("snapshot", &format!("exited ({r})")));
                 }
                 vm.snapshot(&dir, kind)
-                    .map_err(|e| persist_err("snapshot", &e))?;
+                    .map_err(|e| vmm_err("snapshot", e.code(), &e))?;
                 ok(After::Continue)
             }
             Request::WriteForkLayer { scratch_dir } => {
@@ -226,7 +211,7 @@ impl Owner {
                 }
                 let l = vm
                     .write_fork_layer(&scratch_dir)
-                    .map_err(|e| persist_err("write a fork layer", &e))?;
+                    .map_err(|e| vmm_err("write a fork layer", e.code(), &e))?;
                 Ok((
                     Response::ForkLayer(ForkLayerInfo {
                         dir: l.dir,
@@ -310,7 +295,8 @@ impl Owner {
             (false, Some(shell)) => Vm::restore_in(shell, &spec.dir, o),
             (false, None) => Vm::restore(&spec.dir, o),
         };
-        let vm = r.map_err(|e| persist_err(&format!("restore {}", spec.dir.display()), &e))?;
+        let vm =
+            r.map_err(|e| vmm_err(&format!("restore {}", spec.dir.display()), e.code(), &e))?;
         let exit = vm.exit_signal();
         self.slot = Slot::Vm(Box::new(vm));
         Ok((Response::Ok, After::Watch(exit)))

@@ -6,10 +6,7 @@ use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::BusDevice;
-use crate::state::{check_version, StateError};
-
-/// Version of [`I8042State`] this build writes and reads.
-pub const I8042_STATE_VERSION: u16 = 1;
+use crate::state::{check_version, versions, Persist, StateError};
 
 /// The controller keeps nothing between accesses (no keyboard, output buffer always
 /// empty), so its state is only its version.
@@ -42,16 +39,22 @@ impl I8042 {
     pub fn resets(&self) -> u64 {
         self.resets
     }
+}
 
-    pub fn save_state(&self) -> I8042State {
+impl Persist for I8042 {
+    type State = I8042State;
+    /// The reset eventfd.
+    type RestoreArgs = EventFd;
+
+    fn save(&self) -> I8042State {
         I8042State {
-            version: I8042_STATE_VERSION,
+            version: versions::I8042,
         }
     }
 
     /// A controller in `state` that writes `reset_evt` when the guest asks for a reset.
-    pub fn from_state(reset_evt: EventFd, state: &I8042State) -> Result<Self, StateError> {
-        check_version("i8042", state.version, I8042_STATE_VERSION)?;
+    fn restore(reset_evt: EventFd, state: &I8042State) -> Result<Self, StateError> {
+        check_version("i8042", state.version, versions::I8042)?;
         Ok(Self::new(reset_evt))
     }
 }
@@ -84,13 +87,13 @@ mod tests {
     #[test]
     fn state_round_trips() {
         let evt = EventFd::new(EFD_NONBLOCK).unwrap();
-        let saved = I8042::new(evt.try_clone().unwrap()).save_state();
+        let saved = I8042::new(evt.try_clone().unwrap()).save();
         let state = crate::state::postcard_round_trip(&saved);
         assert_eq!(state, saved);
-        let mut dev = I8042::from_state(evt.try_clone().unwrap(), &state).unwrap();
+        let mut dev = I8042::restore(evt.try_clone().unwrap(), &state).unwrap();
         dev.write(OFF_COMMAND, &[CMD_RESET_CPU]);
         assert_eq!(evt.read().unwrap(), 1);
-        assert!(I8042::from_state(evt, &I8042State { version: 0 }).is_err());
+        assert!(I8042::restore(evt, &I8042State { version: 0 }).is_err());
     }
 
     #[test]

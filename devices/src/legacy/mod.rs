@@ -4,4 +4,4 @@ pub mod i8042;
 pub mod serial;
 
 pub use i8042::{I8042State, I8042};
-pub use serial::{Serial, SerialOutput, SerialState};
+pub use serial::{Serial, SerialOutput, SerialRestoreArgs, SerialState};

@@ -16,10 +16,7 @@ use vm_superio::Trigger;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::bus::{lock, BusDevice};
-use crate::state::{check_version, StateError};
-
-/// Version of [`SerialState`] this build writes and reads.
-pub const SERIAL_STATE_VERSION: u16 = 1;
+use crate::state::{check_version, versions, Persist, StateError};
 /// Most input bytes the UART holds (its FIFO).
 pub const SERIAL_FIFO_SIZE: usize = 64;
 
@@ -121,12 +118,25 @@ impl Serial {
     pub fn enqueue_input(&mut self, input: &[u8]) -> usize {
         self.uart.enqueue_raw_bytes(input).unwrap_or(0)
     }
+}
+
+/// What restoring a [`Serial`] needs besides its state.
+pub struct SerialRestoreArgs {
+    /// The interrupt line (a KVM irqfd).
+    pub irq_evt: EventFd,
+    /// Where the output goes now.
+    pub out: SerialOutput,
+}
+
+impl Persist for Serial {
+    type State = SerialState;
+    type RestoreArgs = SerialRestoreArgs;
 
     /// The UART registers and pending input.
-    pub fn save_state(&self) -> SerialState {
+    fn save(&self) -> SerialState {
         let s = self.uart.state();
         SerialState {
-            version: SERIAL_STATE_VERSION,
+            version: versions::SERIAL,
             baud_divisor_low: s.baud_divisor_low,
             baud_divisor_high: s.baud_divisor_high,
             interrupt_enable: s.interrupt_enable,
@@ -142,12 +152,8 @@ impl Serial {
 
     /// A UART in `state`, raising `irq_evt` and writing to `out`. An interrupt that was
     /// pending (data ready or transmitter empty, and enabled) is raised again.
-    pub fn from_state(
-        irq_evt: EventFd,
-        out: SerialOutput,
-        state: &SerialState,
-    ) -> Result<Self, StateError> {
-        check_version(WHAT, state.version, SERIAL_STATE_VERSION)?;
+    fn restore(args: SerialRestoreArgs, state: &SerialState) -> Result<Self, StateError> {
+        check_version(WHAT, state.version, versions::SERIAL)?;
         if state.in_buffer.len() > SERIAL_FIFO_SIZE {
             return Err(StateError::invalid(
                 WHAT,
@@ -171,9 +177,9 @@ impl Serial {
         };
         let uart = vm_superio::Serial::from_state(
             &uart_state,
-            EventFdTrigger(irq_evt),
+            EventFdTrigger(args.irq_evt),
             NoEvents,
-            ConsoleWriter(out),
+            ConsoleWriter(args.out),
         )
         .map_err(|e| StateError::invalid(WHAT, format!("{e:?}")))?;
         Ok(Self { uart })
@@ -254,19 +260,18 @@ mod tests {
         assert_eq!(s.enqueue_input(b"xyz"), 3);
         let _ = evt.read();
 
-        let saved = s.save_state();
+        let saved = s.save();
         assert_eq!(saved.in_buffer, b"xyz");
         let state = crate::state::postcard_round_trip(&saved);
         assert_eq!(state, saved);
         let evt2 = EventFd::new(EFD_NONBLOCK).unwrap();
         let buf = ConsoleBuffer::new(16);
-        let mut r = Serial::from_state(
-            evt2.try_clone().unwrap(),
-            SerialOutput::Buffer(buf.clone()),
-            &state,
-        )
-        .unwrap();
-        assert_eq!(r.save_state(), saved);
+        let args = SerialRestoreArgs {
+            irq_evt: evt2.try_clone().unwrap(),
+            out: SerialOutput::Buffer(buf.clone()),
+        };
+        let mut r = Serial::restore(args, &state).unwrap();
+        assert_eq!(r.save(), saved);
         // The pending data interrupt is raised again, and the input reads on.
         assert_eq!(evt2.read().unwrap(), 1);
         let mut d = [0u8; 1];
@@ -281,12 +286,16 @@ mod tests {
 
         let mut bad = saved.clone();
         bad.in_buffer = vec![0; 65];
-        let err = Serial::from_state(evt.try_clone().unwrap(), SerialOutput::Sink, &bad);
+        let sink = |evt: &EventFd| SerialRestoreArgs {
+            irq_evt: evt.try_clone().unwrap(),
+            out: SerialOutput::Sink,
+        };
+        let err = Serial::restore(sink(&evt), &bad);
         assert!(err.err().unwrap().to_string().contains("65 input bytes"));
         let mut bad = saved;
         bad.version = 9;
         assert!(matches!(
-            Serial::from_state(evt, SerialOutput::Sink, &bad),
+            Serial::restore(sink(&evt), &bad),
             Err(StateError::Version { found: 9, .. })
         ));
     }

@@ -409,4 +409,4 @@ mod persist;
 #[cfg(test)]
 mod tests;
 
-pub use persist::{MmioTransportState, VirtqueueState, MMIO_STATE_VERSION};
+pub use persist::{MmioRestoreArgs, MmioTransportState, VirtqueueState};

@@ -29,7 +29,7 @@ use std::path::PathBuf;
 pub use backend::{DiskBackend, FileDisk};
 pub use device::{Block, BlockConfig};
 pub use layered::{LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError};
-pub use persist::{BlockState, BLOCK_STATE_VERSION};
+pub use persist::{BlockDisk, BlockRestoreArgs, BlockState};
 
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR_SIZE: u64 = 512;

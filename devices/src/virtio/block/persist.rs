@@ -6,14 +6,15 @@
 //! is whether it was active, with which features, whether it was broken, and the disk
 //! size and mode the guest saw, checked against the disk it is restored onto.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
-use super::device::Block;
-use crate::state::{check_version, StateError};
+use super::device::{Block, BlockConfig};
+use super::{DiskBackend, LayeredDisk};
+use crate::state::{check_version, versions, Persist, StateError};
 use crate::virtio::{VirtioDevice, VirtioDeviceState};
-
-/// Version of [`BlockState`] this build writes and reads.
-pub const BLOCK_STATE_VERSION: u16 = 1;
 
 const WHAT: &str = "virtio-blk";
 
@@ -26,12 +27,34 @@ pub struct BlockState {
     pub read_only: bool,
 }
 
-impl Block {
+/// The disk a restored [`Block`] serves.
+pub enum BlockDisk {
+    /// An image file, opened as [`Block::new`] does.
+    Image(PathBuf),
+    /// A layered copy-on-write disk the VMM also holds, as [`Block::with_layered`].
+    Layered(Arc<LayeredDisk>),
+    /// Any other backend, as [`Block::with_backend`].
+    Backend(Box<dyn DiskBackend>),
+}
+
+/// What restoring a [`Block`] needs besides its state: the disk and how the VMM
+/// configured it. The disk must have the size and mode the guest saw.
+pub struct BlockRestoreArgs {
+    pub disk: BlockDisk,
+    pub read_only: bool,
+    /// Answer to GET_ID.
+    pub id: String,
+}
+
+impl Persist for Block {
+    type State = BlockState;
+    type RestoreArgs = BlockRestoreArgs;
+
     /// The device's state; call it between event-loop dispatches (no request is then
     /// half served).
-    pub fn save_state(&self) -> BlockState {
+    fn save(&self) -> BlockState {
         BlockState {
-            version: BLOCK_STATE_VERSION,
+            version: versions::BLOCK,
             virtio: VirtioDeviceState {
                 activated: self.is_activated(),
                 acked_features: self.q.active.as_ref().map_or(0, |a| a.acked_features),
@@ -42,14 +65,33 @@ impl Block {
         }
     }
 
-    /// Brings a freshly built device (any constructor) to `state`, before
-    /// `MmioTransport::restore` re-activates it with the saved queue. The disk must have
-    /// the saved size and mode.
-    pub fn restore_state(&mut self, state: &BlockState) -> Result<(), StateError> {
-        check_version(WHAT, state.version, BLOCK_STATE_VERSION)?;
-        if self.is_activated() {
-            return Err(StateError::mismatch(WHAT, "the device is already active"));
-        }
+    /// A device over `args.disk` in `state`, for `MmioTransport`'s restore to
+    /// re-activate with the saved queue.
+    fn restore(args: BlockRestoreArgs, state: &BlockState) -> Result<Self, StateError> {
+        check_version(WHAT, state.version, versions::BLOCK)?;
+        let BlockRestoreArgs {
+            disk,
+            read_only,
+            id,
+        } = args;
+        let built = match disk {
+            BlockDisk::Image(path) => Block::new(BlockConfig {
+                path,
+                read_only,
+                id,
+            }),
+            BlockDisk::Layered(l) => Block::with_layered(l, read_only, &id),
+            BlockDisk::Backend(b) => Block::with_backend(b, read_only, &id),
+        };
+        let mut dev = built.map_err(|e| StateError::rebuild(WHAT, e))?;
+        dev.apply(state)?;
+        Ok(dev)
+    }
+}
+
+impl Block {
+    /// Brings a freshly built device to `state`, after checking the disk against it.
+    fn apply(&mut self, state: &BlockState) -> Result<(), StateError> {
         if state.capacity_bytes != self.capacity_bytes {
             return Err(StateError::mismatch(
                 WHAT,
@@ -86,7 +128,7 @@ mod tests {
     use super::*;
     use crate::bus::lock;
     use crate::state::{copy_guest_memory, postcard_round_trip};
-    use crate::virtio::mmio::MmioTransport;
+    use crate::virtio::mmio::{MmioRestoreArgs, MmioTransport};
     use crate::virtio::test_ring::Ring;
     use crate::virtio::GuestMemoryMmap;
 
@@ -119,6 +161,15 @@ mod tests {
         ring().offer(mem, &chain(&descs, slot), slot);
     }
 
+    /// Restore arguments for `img`, configured `read_only` or not.
+    fn args(img: &TempImage, read_only: bool) -> BlockRestoreArgs {
+        BlockRestoreArgs {
+            disk: BlockDisk::Image(img.0.clone()),
+            read_only,
+            id: String::new(),
+        }
+    }
+
     fn used_idx(mem: &GuestMemoryMmap) -> usize {
         ring().used(mem).len()
     }
@@ -128,38 +179,45 @@ mod tests {
         let img = TempImage::new(&[0u8; 8192]);
         let mem = guest_memory();
         let (blk, _t) = running(&img, &mem);
-        let saved = lock(&blk).save_state();
+        let saved = lock(&blk).save();
         assert_eq!(saved.capacity_bytes, 8192);
         assert!(saved.virtio.activated);
         let state = postcard_round_trip(&saved);
         assert_eq!(state, saved);
 
-        let mut fresh = new_block(&img, false, "");
-        fresh.restore_state(&state).unwrap();
+        let fresh = Block::restore(args(&img, false), &state).unwrap();
         assert_eq!(fresh.restored_state(), Some(state.virtio));
         assert!(!fresh.is_activated());
 
         let mut s = state.clone();
         s.version = 2;
         assert!(matches!(
-            new_block(&img, false, "").restore_state(&s),
+            Block::restore(args(&img, false), &s),
             Err(StateError::Version { found: 2, .. })
         ));
         let bigger = TempImage::new(&[0u8; 16384]);
-        let err = new_block(&bigger, false, "").restore_state(&state);
-        assert!(err.unwrap_err().to_string().contains("8192 bytes"));
-        assert!(new_block(&img, true, "").restore_state(&state).is_err());
+        let err = Block::restore(args(&bigger, false), &state);
+        assert!(err.err().unwrap().to_string().contains("8192 bytes"));
+        let gone = BlockRestoreArgs {
+            disk: BlockDisk::Image(img.0.with_extension("gone")),
+            read_only: false,
+            id: String::new(),
+        };
+        assert!(matches!(
+            Block::restore(gone, &state).err().unwrap(),
+            StateError::Rebuild { .. }
+        ));
+        assert!(Block::restore(args(&img, true), &state).is_err());
         let mut s = state.clone();
         s.virtio.acked_features |= 1 << 60;
-        assert!(new_block(&img, false, "").restore_state(&s).is_err());
+        assert!(Block::restore(args(&img, false), &s).is_err());
         let mut s = state.clone();
         s.virtio.activated = false;
-        assert!(new_block(&img, false, "").restore_state(&s).is_err());
+        assert!(Block::restore(args(&img, false), &s).is_err());
         // An inactive device's state restores as inactive.
-        let idle = new_block(&img, false, "").save_state();
+        let idle = new_block(&img, false, "").save();
         assert_eq!(idle.virtio, VirtioDeviceState::default());
-        let mut b = new_block(&img, false, "");
-        b.restore_state(&postcard_round_trip(&idle)).unwrap();
+        let b = Block::restore(args(&img, false), &postcard_round_trip(&idle)).unwrap();
         assert!(!b.is_activated());
     }
 
@@ -174,16 +232,22 @@ mod tests {
         // Offered but not yet served when the snapshot is taken.
         offer_write(&mem, 6, 3, 0xa3);
 
-        let blk_state = postcard_round_trip(&lock(&blk).save_state());
-        let t_state = postcard_round_trip(&t.save_state());
+        let blk_state = postcard_round_trip(&lock(&blk).save());
+        let t_state = postcard_round_trip(&t.save());
         assert_eq!(t_state.queues[0].next_avail, 2);
         assert_eq!(t_state.queues[0].next_used, 2);
 
         let mem2 = copy_guest_memory(&mem);
-        let mut b2 = new_block(&img, false, "");
-        b2.restore_state(&blk_state).unwrap();
+        let b2 = Block::restore(args(&img, false), &blk_state).unwrap();
         let b2 = Arc::new(Mutex::new(b2));
-        let _t2 = MmioTransport::restore(mem2.clone(), b2.clone(), &t_state).unwrap();
+        let _t2 = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: mem2.clone(),
+                device: b2.clone(),
+            },
+            &t_state,
+        )
+        .unwrap();
         assert!(lock(&b2).is_activated());
 
         // Exactly the pending request is served, on the new memory.
@@ -214,13 +278,18 @@ mod tests {
         mem.write_obj(QSIZE + 1, GuestAddress(ring().avail + 2))
             .unwrap();
         assert!(lock(&blk).process_queue().is_err());
-        let state = postcard_round_trip(&lock(&blk).save_state());
+        let state = postcard_round_trip(&lock(&blk).save());
         assert!(state.virtio.needs_reset);
-        let mut b2 = new_block(&img, false, "");
-        b2.restore_state(&state).unwrap();
+        let b2 = Block::restore(args(&img, false), &state).unwrap();
         let b2 = Arc::new(Mutex::new(b2));
-        let _t2 =
-            MmioTransport::restore(copy_guest_memory(&mem), b2.clone(), &t.save_state()).unwrap();
+        let _t2 = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: copy_guest_memory(&mem),
+                device: b2.clone(),
+            },
+            &t.save(),
+        )
+        .unwrap();
         assert!(lock(&b2).needs_reset());
         assert_eq!(lock(&b2).process_queue().unwrap(), 0);
     }

@@ -16,11 +16,8 @@ use virtio_queue::{Queue, QueueT};
 use super::status::{DEVICE_NEEDS_RESET, DRIVER_OK, FAILED, FEATURES_OK};
 use super::{MmioTransport, STATUS_SEQUENCE};
 use crate::bus::lock;
-use crate::state::{check_version, StateError};
+use crate::state::{check_version, versions, Persist, StateError};
 use crate::virtio::{GuestMemoryMmap, VirtioDevice, INT_CONFIG, INT_VRING, VIRTIO_F_VERSION_1};
-
-/// Version of [`MmioTransportState`] this build writes and reads.
-pub const MMIO_STATE_VERSION: u16 = 1;
 
 const WHAT: &str = "virtio-mmio transport";
 
@@ -114,10 +111,21 @@ pub struct MmioTransportState {
     pub device_activated: bool,
 }
 
-impl MmioTransport {
+/// What restoring a [`MmioTransport`] needs besides its state.
+pub struct MmioRestoreArgs {
+    /// The (restored) guest memory.
+    pub mem: GuestMemoryMmap,
+    /// The device behind the transport, fresh or restored from its own state.
+    pub device: Arc<Mutex<dyn VirtioDevice>>,
+}
+
+impl Persist for MmioTransport {
+    type State = MmioTransportState;
+    type RestoreArgs = MmioRestoreArgs;
+
     /// The transport's state, queue positions included. Call it between event-loop
     /// dispatches and without holding the device's lock (this takes it).
-    pub fn save_state(&self) -> MmioTransportState {
+    fn save(&self) -> MmioTransportState {
         let dev = lock(&self.device);
         let activated = dev.is_activated();
         let live = dev.active_queues();
@@ -131,7 +139,7 @@ impl MmioTransport {
             })
             .collect();
         MmioTransportState {
-            version: MMIO_STATE_VERSION,
+            version: versions::MMIO_TRANSPORT,
             device_type: dev.device_type(),
             status: self.status,
             device_features_sel: self.device_features_sel,
@@ -150,12 +158,9 @@ impl MmioTransport {
     /// with the saved queues, ring positions kept, so it goes on serving from where it
     /// was. Every value is checked first: an impossible state is an error and leaves
     /// the device untouched.
-    pub fn restore(
-        mem: GuestMemoryMmap,
-        device: Arc<Mutex<dyn VirtioDevice>>,
-        state: &MmioTransportState,
-    ) -> Result<Self, StateError> {
-        check_version(WHAT, state.version, MMIO_STATE_VERSION)?;
+    fn restore(args: MmioRestoreArgs, state: &MmioTransportState) -> Result<Self, StateError> {
+        let MmioRestoreArgs { mem, device } = args;
+        check_version(WHAT, state.version, versions::MMIO_TRANSPORT)?;
         let build_queues = |dev: &dyn VirtioDevice| {
             state
                 .queues

@@ -16,7 +16,7 @@ mod persist;
 use std::io;
 
 pub use device::Rng;
-pub use persist::{RngState, RNG_STATE_VERSION};
+pub use persist::RngState;
 
 /// Maximum size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -33,6 +33,4 @@ pub enum RngError {
     EventFd(#[source] io::Error),
     #[error("Request queue is broken, the device needs a reset")]
     QueueBroken(#[source] virtio_queue::Error),
-    #[error("Cannot restore the device")]
-    State(#[source] crate::state::StateError),
 }

@@ -3,12 +3,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::device::Rng;
-use super::RngError;
-use crate::state::check_version;
+use crate::state::{check_version, versions, Persist, StateError};
 use crate::virtio::{VirtioDevice, VirtioDeviceState};
-
-/// Version of [`RngState`] this build writes and reads.
-pub const RNG_STATE_VERSION: u16 = 1;
 
 const WHAT: &str = "virtio-rng";
 
@@ -18,11 +14,15 @@ pub struct RngState {
     pub virtio: VirtioDeviceState,
 }
 
-impl Rng {
+impl Persist for Rng {
+    type State = RngState;
+    /// The entropy source is opened anew.
+    type RestoreArgs = ();
+
     /// The device's state; call it between event-loop dispatches.
-    pub fn save_state(&self) -> RngState {
+    fn save(&self) -> RngState {
         RngState {
-            version: RNG_STATE_VERSION,
+            version: versions::RNG,
             virtio: VirtioDeviceState {
                 activated: self.is_activated(),
                 acked_features: self.q.active.as_ref().map_or(0, |a| a.acked_features),
@@ -31,15 +31,12 @@ impl Rng {
         }
     }
 
-    /// A new device in `state`, for `MmioTransport::restore` to re-activate with the
+    /// A new device in `state`, for the transport's restore to re-activate with the
     /// saved queue.
-    pub fn from_state(state: &RngState) -> Result<Self, RngError> {
-        check_version(WHAT, state.version, RNG_STATE_VERSION).map_err(RngError::State)?;
-        let mut rng = Self::new()?;
-        state
-            .virtio
-            .validate(WHAT, rng.avail_features())
-            .map_err(RngError::State)?;
+    fn restore((): (), state: &RngState) -> Result<Self, StateError> {
+        check_version(WHAT, state.version, versions::RNG)?;
+        let mut rng = Self::new().map_err(|e| StateError::rebuild(WHAT, e))?;
+        state.virtio.validate(WHAT, rng.avail_features())?;
         rng.q.needs_reset = state.virtio.needs_reset;
         rng.q.restored = Some(state.virtio);
         Ok(rng)
@@ -57,7 +54,7 @@ mod tests {
     use super::*;
     use crate::bus::lock;
     use crate::state::{copy_guest_memory, postcard_round_trip, StateError};
-    use crate::virtio::mmio::MmioTransport;
+    use crate::virtio::mmio::{MmioRestoreArgs, MmioTransport};
     use crate::virtio::test_ring::Ring;
     use crate::virtio::{GuestMemoryMmap, VIRTIO_F_VERSION_1};
 
@@ -77,13 +74,13 @@ mod tests {
 
     #[test]
     fn state_round_trips_and_is_checked() {
-        let idle = Rng::new().unwrap().save_state();
+        let idle = Rng::new().unwrap().save();
         assert_eq!(idle.virtio, VirtioDeviceState::default());
-        let r = Rng::from_state(&postcard_round_trip(&idle)).unwrap();
+        let r = Rng::restore((), &postcard_round_trip(&idle)).unwrap();
         assert!(!r.is_activated());
 
         let active = RngState {
-            version: RNG_STATE_VERSION,
+            version: versions::RNG,
             virtio: VirtioDeviceState {
                 activated: true,
                 acked_features: VIRTIO_F_VERSION_1,
@@ -92,17 +89,17 @@ mod tests {
         };
         let state = postcard_round_trip(&active);
         assert_eq!(state, active);
-        let r = Rng::from_state(&state).unwrap();
+        let r = Rng::restore((), &state).unwrap();
         assert!(r.needs_reset());
         assert_eq!(r.restored_state(), Some(active.virtio));
 
         let bad = |edit: fn(&mut RngState)| {
             let mut s = active.clone();
             edit(&mut s);
-            Rng::from_state(&s).err().unwrap()
+            Rng::restore((), &s).err().unwrap()
         };
         let e = bad(|s| s.version = 0);
-        assert!(matches!(e, RngError::State(StateError::Version { .. })));
+        assert!(matches!(e, StateError::Version { .. }));
         bad(|s| s.virtio.acked_features |= 1);
         bad(|s| s.virtio.activated = false);
     }
@@ -118,12 +115,19 @@ mod tests {
         assert_eq!(lock(&rng).process_queue().unwrap(), 2);
         offer(&mem, 2, 48);
 
-        let rng_state = postcard_round_trip(&lock(&rng).save_state());
-        let t_state = postcard_round_trip(&t.save_state());
+        let rng_state = postcard_round_trip(&lock(&rng).save());
+        let t_state = postcard_round_trip(&t.save());
         assert_eq!(rng_state.virtio.acked_features, VIRTIO_F_VERSION_1);
         let mem2 = copy_guest_memory(&mem);
-        let rng2 = Arc::new(Mutex::new(Rng::from_state(&rng_state).unwrap()));
-        let _t2 = MmioTransport::restore(mem2.clone(), rng2.clone(), &t_state).unwrap();
+        let rng2 = Arc::new(Mutex::new(Rng::restore((), &rng_state).unwrap()));
+        let _t2 = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: mem2.clone(),
+                device: rng2.clone(),
+            },
+            &t_state,
+        )
+        .unwrap();
 
         assert_eq!(lock(&rng2).process_queue().unwrap(), 1);
         offer(&mem2, 3, 64);

@@ -60,7 +60,7 @@ pub struct Vsock {
     /// queue's avail index then: a guest posts a new event buffer once it has
     /// handled the event.
     reset_ack: Option<(Option<Wrapping<u16>>, Instant)>,
-    /// Set by `from_state` until the transport re-activates the device.
+    /// Set by `Persist::restore` until the transport re-activates the device.
     pub(super) restored: Option<VirtioDeviceState>,
     scratch: Vec<u8>,
 }

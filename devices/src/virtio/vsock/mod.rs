@@ -46,7 +46,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use device::Vsock;
-pub use persist::{VsockState, VSOCK_STATE_VERSION};
+pub use persist::VsockState;
 
 /// The host's CID, source of every packet the device sends.
 pub const HOST_CID: u64 = 2;
@@ -82,6 +82,4 @@ pub enum VsockError {
     EventFd(#[source] io::Error),
     #[error("Cannot create a timer")]
     Timer(#[source] io::Error),
-    #[error("Cannot restore the device")]
-    State(#[source] crate::state::StateError),
 }

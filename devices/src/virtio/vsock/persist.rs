@@ -7,11 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use super::device::Vsock;
 use super::VsockError;
-use crate::state::{check_version, StateError};
+use crate::state::{check_version, versions, Persist, StateError};
 use crate::virtio::{VirtioDevice, VirtioDeviceState};
-
-/// Version of [`VsockState`] this build writes and reads.
-pub const VSOCK_STATE_VERSION: u16 = 1;
 
 const WHAT: &str = "virtio-vsock";
 
@@ -24,12 +21,16 @@ pub struct VsockState {
     pub reset_event_pending: bool,
 }
 
-impl Vsock {
+impl Persist for Vsock {
+    type State = VsockState;
+    /// Where the restored device's host side listens.
+    type RestoreArgs = PathBuf;
+
     /// The device's state; call it between event-loop dispatches. Connections are not
     /// part of it: what they had buffered is lost with them.
-    pub fn save_state(&self) -> VsockState {
+    fn save(&self) -> VsockState {
         VsockState {
-            version: VSOCK_STATE_VERSION,
+            version: versions::VSOCK,
             guest_cid: self.guest_cid(),
             virtio: VirtioDeviceState {
                 activated: self.is_activated(),
@@ -41,21 +42,23 @@ impl Vsock {
     }
 
     /// A new device in `state`, with no connections, listening on `uds_path` (which
-    /// must not exist, as for [`Vsock::new`]), for `MmioTransport::restore` to
+    /// must not exist, as for [`Vsock::new`]), for the transport's restore to
     /// re-activate with the saved queues. Call [`Vsock::send_transport_reset`] once the
     /// VM runs so that the guest drops the connections it had.
-    pub fn from_state(uds_path: PathBuf, state: &VsockState) -> Result<Self, VsockError> {
-        check_version(WHAT, state.version, VSOCK_STATE_VERSION).map_err(VsockError::State)?;
-        let mut dev = Self::new(state.guest_cid, uds_path)?;
-        state
-            .virtio
-            .validate(WHAT, dev.avail_features())
-            .map_err(VsockError::State)?;
+    fn restore(uds_path: PathBuf, state: &VsockState) -> Result<Self, StateError> {
+        check_version(WHAT, state.version, versions::VSOCK)?;
+        let mut dev = Self::new(state.guest_cid, uds_path).map_err(|e| match e {
+            VsockError::InvalidCid(cid) => {
+                StateError::invalid(WHAT, format!("guest CID {cid} is out of range"))
+            }
+            e => StateError::rebuild(WHAT, e),
+        })?;
+        state.virtio.validate(WHAT, dev.avail_features())?;
         if state.reset_event_pending && !state.virtio.activated {
-            return Err(VsockError::State(StateError::invalid(
+            return Err(StateError::invalid(
                 WHAT,
                 "an inactive device has a pending event",
-            )));
+            ));
         }
         dev.needs_reset = state.virtio.needs_reset;
         dev.reset_event_pending = state.reset_event_pending;
@@ -79,7 +82,7 @@ mod tests {
     use super::*;
     use crate::bus::lock;
     use crate::state::{copy_guest_memory, postcard_round_trip};
-    use crate::virtio::mmio::MmioTransport;
+    use crate::virtio::mmio::{MmioRestoreArgs, MmioTransport};
     use crate::virtio::test_ring::Ring;
     use crate::virtio::{GuestMemoryMmap, VIRTIO_F_VERSION_1};
 
@@ -139,15 +142,15 @@ mod tests {
         let dir = TempDir::new().unwrap();
         let path = |n: &str| dir.as_path().join(n);
         let dev = Vsock::new(CID, path("a.sock")).unwrap();
-        let idle = dev.save_state();
+        let idle = dev.save();
         assert_eq!(idle.guest_cid, CID);
         assert_eq!(postcard_round_trip(&idle), idle);
-        let r = Vsock::from_state(path("b.sock"), &postcard_round_trip(&idle)).unwrap();
+        let r = Vsock::restore(path("b.sock"), &postcard_round_trip(&idle)).unwrap();
         assert_eq!(r.guest_cid(), CID);
         assert!(!r.is_activated());
 
         let active = VsockState {
-            version: VSOCK_STATE_VERSION,
+            version: versions::VSOCK,
             guest_cid: CID,
             virtio: VirtioDeviceState {
                 activated: true,
@@ -156,20 +159,20 @@ mod tests {
             },
             reset_event_pending: true,
         };
-        let r = Vsock::from_state(path("c.sock"), &postcard_round_trip(&active)).unwrap();
-        assert!(r.save_state().reset_event_pending);
+        let r = Vsock::restore(path("c.sock"), &postcard_round_trip(&active)).unwrap();
+        assert!(r.save().reset_event_pending);
         assert_eq!(r.restored_state(), Some(active.virtio));
 
         let bad = |name: &str, edit: fn(&mut VsockState)| {
             let mut s = active.clone();
             edit(&mut s);
-            Vsock::from_state(path(name), &s).err().unwrap()
+            Vsock::restore(path(name), &s).err().unwrap()
         };
         let e = bad("d.sock", |s| s.version = 3);
-        assert!(matches!(e, VsockError::State(StateError::Version { .. })));
+        assert!(matches!(e, StateError::Version { .. }));
         assert!(matches!(
             bad("e.sock", |s| s.guest_cid = 2),
-            VsockError::InvalidCid(2)
+            StateError::Invalid { .. }
         ));
         bad("f.sock", |s| s.virtio.acked_features = 1);
         bad("g.sock", |s| {
@@ -177,8 +180,8 @@ mod tests {
         });
         // The socket path must be new, as for `Vsock::new`.
         assert!(matches!(
-            Vsock::from_state(path("a.sock"), &active),
-            Err(VsockError::PathExists(_))
+            Vsock::restore(path("a.sock"), &active),
+            Err(StateError::Rebuild { .. })
         ));
     }
 
@@ -206,15 +209,22 @@ mod tests {
         assert_eq!(rx_packet(&mem, 0), (OP_RST, 1000));
         request(&mem, 1, 1001);
 
-        let state = postcard_round_trip(&lock(&dev).save_state());
-        let t_state = postcard_round_trip(&t.save_state());
+        let state = postcard_round_trip(&lock(&dev).save());
+        let t_state = postcard_round_trip(&t.save());
         assert_eq!(t_state.queues[TXQ].next_avail, 1);
         assert_eq!(t_state.queues[RXQ].next_avail, 1);
         let mem2 = copy_guest_memory(&mem);
         let dev2 = Arc::new(Mutex::new(
-            Vsock::from_state(dir.as_path().join("b.sock"), &state).unwrap(),
+            Vsock::restore(dir.as_path().join("b.sock"), &state).unwrap(),
         ));
-        let _t2 = MmioTransport::restore(mem2.clone(), dev2.clone(), &t_state).unwrap();
+        let _t2 = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: mem2.clone(),
+                device: dev2.clone(),
+            },
+            &t_state,
+        )
+        .unwrap();
 
         lock(&dev2).send_transport_reset();
         let evs = used(&mem2, EVQ);

@@ -38,7 +38,7 @@ fn mid_handshake_state_round_trips_and_the_driver_carries_on() {
     setup_queue(&mut t, 0, 8, 0x1000);
     wr(&mut t, REG_QUEUE_SEL, 1);
     wr(&mut t, REG_DEVICE_FEATURES_SEL, 1);
-    let saved = t.save_state();
+    let saved = t.save();
     assert!(!saved.device_activated);
     assert_eq!(saved.status, ACKNOWLEDGE | DRIVER | FEATURES_OK);
     assert_eq!(saved.queue_sel, 1);
@@ -48,8 +48,15 @@ fn mid_handshake_state_round_trips_and_the_driver_carries_on() {
     let state = postcard_round_trip(&saved);
     assert_eq!(state, saved);
     let (dev, record) = fresh();
-    let mut r = MmioTransport::restore(mem(), dev.clone(), &state).unwrap();
-    assert_eq!(r.save_state(), saved);
+    let mut r = MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: dev.clone(),
+        },
+        &state,
+    )
+    .unwrap();
+    assert_eq!(r.save(), saved);
     assert!(!dev.lock().unwrap().activated);
     assert_eq!(rd(&mut r, REG_STATUS), ACKNOWLEDGE | DRIVER | FEATURES_OK);
     assert_eq!(rd(&mut r, REG_QUEUE_NUM_MAX), 8, "queue 1 still selected");
@@ -71,7 +78,7 @@ fn active_device_is_reactivated_with_live_queue_positions() {
         d.queues[0].set_next_used(4);
         d.interrupt.trigger(INT_VRING).unwrap();
     }
-    let saved = postcard_round_trip(&t.save_state());
+    let saved = postcard_round_trip(&t.save());
     assert!(saved.device_activated);
     assert_eq!(
         (saved.queues[0].next_avail, saved.queues[0].next_used),
@@ -85,7 +92,14 @@ fn active_device_is_reactivated_with_live_queue_positions() {
         acked_features: VIRTIO_F_VERSION_1 | FEATURE_LOW,
         needs_reset: false,
     });
-    let mut r = MmioTransport::restore(mem(), dev2.clone(), &saved).unwrap();
+    let mut r = MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: dev2.clone(),
+        },
+        &saved,
+    )
+    .unwrap();
     {
         let rec = record2.lock().unwrap();
         assert_eq!(rec.activations.len(), 1);
@@ -100,11 +114,11 @@ fn active_device_is_reactivated_with_live_queue_positions() {
     // The restored interrupt is visible and raised again.
     assert_eq!(rd(&mut r, REG_INTERRUPT_STATUS), INT_VRING);
     assert_eq!(dev2.lock().unwrap().interrupt.eventfd().read().unwrap(), 1);
-    assert_eq!(r.save_state(), saved);
+    assert_eq!(r.save(), saved);
     // Queue registers stay frozen, and a reset still works.
     wr(&mut r, REG_QUEUE_SEL, 0);
     wr(&mut r, REG_QUEUE_NUM, 4);
-    assert_eq!(r.save_state().queues[0].size, 8);
+    assert_eq!(r.save().queues[0].size, 8);
     wr(&mut r, REG_STATUS, 0);
     assert!(!dev2.lock().unwrap().activated);
 }
@@ -116,11 +130,18 @@ fn failed_activation_state_round_trips() {
     setup_queue(&mut t, 0, 16, 0xf000);
     wr(&mut t, REG_STATUS, ALL_OK);
     assert!(!dev.lock().unwrap().activated);
-    let saved = postcard_round_trip(&t.save_state());
+    let saved = postcard_round_trip(&t.save());
     assert_eq!(saved.status, ALL_OK | DEVICE_NEEDS_RESET);
     assert_eq!(saved.interrupt_status, INT_CONFIG);
     let (dev2, record2) = fresh();
-    let mut r = MmioTransport::restore(mem(), dev2, &saved).unwrap();
+    let mut r = MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: dev2,
+        },
+        &saved,
+    )
+    .unwrap();
     assert_eq!(rd(&mut r, REG_STATUS), ALL_OK | DEVICE_NEEDS_RESET);
     assert!(record2.lock().unwrap().activations.is_empty());
 }
@@ -129,7 +150,7 @@ fn failed_activation_state_round_trips() {
 #[test]
 fn bad_states_are_refused() {
     let (t, _) = active();
-    let good = t.save_state();
+    let good = t.save();
     type Edit = fn(&mut MmioTransportState);
     let cases: &[(&str, Edit)] = &[
         ("version", |s| s.version = 99),
@@ -169,7 +190,14 @@ fn bad_states_are_refused() {
         let mut s = postcard_round_trip(&good);
         edit(&mut s);
         let (dev, record) = fresh();
-        let err = MmioTransport::restore(mem(), dev.clone(), &s).err();
+        let err = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: mem(),
+                device: dev.clone(),
+            },
+            &s,
+        )
+        .err();
         let err = err.unwrap_or_else(|| panic!("{name}: restored"));
         assert!(!err.to_string().is_empty());
         assert!(
@@ -181,13 +209,20 @@ fn bad_states_are_refused() {
     // A ring outside memory is fine for a queue the device is not using.
     let mut s = good.clone();
     s.queues[1].used_ring = 0xfff0;
-    assert!(MmioTransport::restore(mem(), fresh().0, &s).is_ok());
+    assert!(MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: fresh().0
+        },
+        &s
+    )
+    .is_ok());
 }
 
 #[test]
 fn device_and_transport_states_must_agree() {
     let (t, _) = active();
-    let saved = t.save_state();
+    let saved = t.save();
     let restored = |activated, acked_features| {
         let (dev, record) = fresh();
         dev.lock().unwrap().restored = Some(VirtioDeviceState {
@@ -195,7 +230,13 @@ fn device_and_transport_states_must_agree() {
             acked_features,
             needs_reset: false,
         });
-        let r = MmioTransport::restore(mem(), dev, &saved);
+        let r = MmioTransport::restore(
+            MmioRestoreArgs {
+                mem: mem(),
+                device: dev,
+            },
+            &saved,
+        );
         (r.err().map(|e| e.to_string()), record)
     };
     let (err, record) = restored(false, 0);
@@ -208,11 +249,26 @@ fn device_and_transport_states_must_agree() {
     // A device that is already running is refused.
     let (dev, _) = fresh();
     dev.lock().unwrap().activated = true;
-    assert!(MmioTransport::restore(mem(), dev, &saved).is_err());
+    assert!(MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: dev
+        },
+        &saved
+    )
+    .is_err());
 
     // A device that fails to start makes the restore fail.
     let (dev, _) = fresh();
     dev.lock().unwrap().fail_activate = true;
-    let err = MmioTransport::restore(mem(), dev, &saved).err().unwrap();
+    let err = MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem(),
+            device: dev,
+        },
+        &saved,
+    )
+    .err()
+    .unwrap();
     assert!(matches!(err, StateError::Activate { .. }), "{err}");
 }

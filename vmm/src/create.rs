@@ -1,0 +1,157 @@
+//! Booting a VM from its config: [`Vm::start`] and [`Vm::create`].
+
+use std::sync::{Arc, Mutex};
+
+use devices::legacy::{Serial, I8042};
+use devices::virtio::block::{Block, BlockConfig, LayeredDisk};
+use devices::virtio::rng::Rng;
+use devices::virtio::vsock::Vsock;
+use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::kernel::{self, EntryKind};
+use crate::arch::{boot, cpuid, regs};
+use crate::builder::{DeviceSource, Parts, VirtioSlot, VmBase};
+use crate::config::VmConfig;
+use crate::lineage::{new_instance_id, Lineage};
+use crate::memory;
+use crate::vm::{Vm, VmError};
+use crate::vm_devices::{AttachError, VirtioDev};
+
+impl Vm {
+    /// Validates `config`, builds the VM and starts its vCPUs.
+    pub fn start(config: VmConfig) -> Result<Vm, VmError> {
+        let mut vm = Self::create(config)?;
+        vm.resume()?;
+        Ok(vm)
+    }
+
+    /// Builds the VM with its vCPU threads parked before their first
+    /// instruction; [`Vm::resume`] starts them.
+    pub fn create(config: VmConfig) -> Result<Vm, VmError> {
+        config.validate()?;
+        let base = VmBase::new(config.vcpus, None)?;
+        let supported = base
+            .kvm()
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
+        let has_pit = base.caps().pit2;
+        let ram = memory::create(config.mem_mib << 20)?;
+        let mut b = base.set_memory(ram)?;
+        let kernel = kernel::load(b.memory(), &config.kernel)?;
+        boot::write_boot_tables(b.memory())?;
+
+        let mut src = BootDevices {
+            config: &config,
+            entry: kernel.kind,
+        };
+        let (devices, mailbox) = b.attach_devices(&mut src)?;
+
+        let mut cmdline = config.cmdline.trim().to_string();
+        for d in b.cmdline_devices() {
+            if !cmdline.is_empty() {
+                cmdline.push(' ');
+            }
+            cmdline.push_str(d);
+        }
+        boot::write_cmdline(b.memory(), &cmdline)?;
+        boot::write_zero_page(b.memory(), b.ram_size(), cmdline.len())?;
+        if kernel.kind == EntryKind::Linux {
+            crate::arch::mptable::write(b.memory(), config.vcpus)?;
+        }
+
+        let n = config.vcpus;
+        b.add_vcpus(|fd, i| -> Result<(), VmError> {
+            let mut c = supported.clone();
+            cpuid::for_vcpu(&mut c, i, n);
+            fd.set_cpuid2(&c)
+                .map_err(|e| VmError::KvmOp("set CPUID", e))?;
+            regs::setup_vcpu(fd, i, kernel.entry, kernel.kind)?;
+            Ok(())
+        })?;
+        let lineage = Lineage::new(config.instance_id.unwrap_or_else(new_instance_id));
+        b.finish(Parts {
+            devices,
+            mailbox,
+            entry: kernel.kind,
+            has_pit,
+            lineage,
+            config,
+        })
+    }
+}
+
+/// New devices, as the config asks.
+struct BootDevices<'a> {
+    config: &'a VmConfig,
+    entry: EntryKind,
+}
+
+impl DeviceSource for BootDevices<'_> {
+    type Error = VmError;
+
+    fn serial(&mut self, irq_evt: EventFd) -> Result<Serial, AttachError> {
+        Ok(Serial::new(irq_evt, self.config.serial.clone()))
+    }
+
+    fn console_input(&self) -> bool {
+        self.config.console_input
+    }
+
+    fn i8042(&mut self, reset_evt: EventFd) -> Result<I8042, AttachError> {
+        Ok(I8042::new(reset_evt))
+    }
+
+    fn virtio(&mut self) -> Result<Vec<VirtioSlot>, VmError> {
+        let config = self.config;
+        let mut out = Vec::new();
+        for d in &config.disks {
+            // A writable disk is a layered disk whose top is the user's file: guest
+            // writes land in it, and snapshots copy only its data.
+            let blk = if d.read_only {
+                Block::new(BlockConfig {
+                    path: d.path.clone(),
+                    read_only: true,
+                    id: d.id.clone(),
+                })
+                .map_err(|e| VmError::Disk(d.path.clone(), e))?
+            } else {
+                let disk = LayeredDisk::open_file(&d.path)
+                    .map_err(|e| VmError::LayeredDisk(d.path.clone(), e))?;
+                Block::with_layered(Arc::new(disk), false, &d.id)
+                    .map_err(|e| VmError::Disk(d.path.clone(), e))?
+            };
+            out.push(fresh(
+                "virtio-blk",
+                VirtioDev::Block(Arc::new(Mutex::new(blk))),
+            ));
+        }
+        if let Some(v) = &config.vsock {
+            let dev = Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(VmError::Vsock)?;
+            out.push(fresh(
+                "virtio-vsock",
+                VirtioDev::Vsock(Arc::new(Mutex::new(dev))),
+            ));
+        }
+        if config.rng {
+            let dev = Rng::new().map_err(VmError::Rng)?;
+            out.push(fresh(
+                "virtio-rng",
+                VirtioDev::Rng(Arc::new(Mutex::new(dev))),
+            ));
+        }
+        Ok(out)
+    }
+
+    fn entry(&self) -> EntryKind {
+        self.entry
+    }
+}
+
+fn fresh(what: &'static str, dev: VirtioDev) -> VirtioSlot {
+    VirtioSlot {
+        what,
+        dev,
+        transport: None,
+    }
+}

@@ -1,0 +1,80 @@
+//! What a caller chooses for a snapshot or a restore.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use devices::legacy::SerialOutput;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// Every non-zero page and every written disk cluster.
+    Full,
+    /// Only what changed since this VM's previous snapshot (or its restore),
+    /// which becomes the new snapshot's parent.
+    Diff,
+}
+
+/// How a restore maps guest memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryBackend {
+    /// `MAP_PRIVATE` of the layer files: kernel copy-on-write, page cache
+    /// shared by every restore of the snapshot.
+    Mmap,
+    /// Anonymous memory served by a userfaultfd page server.
+    Uffd,
+}
+
+impl std::str::FromStr for MemoryBackend {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mmap" => Ok(Self::Mmap),
+            "uffd" => Ok(Self::Uffd),
+            other => Err(format!(
+                "unknown memory backend {other:?}: use mmap or uffd"
+            )),
+        }
+    }
+}
+
+pub struct RestoreOptions {
+    pub backend: MemoryBackend,
+    /// uffd: fill the snapshot's recorded working set before the guest runs.
+    pub prefetch: bool,
+    /// uffd: when the snapshot has no working set yet, record the pages the
+    /// guest touches this long after the restore ([`crate::Vm::save_working_set`]).
+    pub record_working_set_for: Option<Duration>,
+    pub serial: SerialOutput,
+    /// Where the restored VM's vsock host side listens (the snapshot's own
+    /// socket may belong to a VM that still runs). Needed if it has vsock.
+    pub vsock_uds: Option<PathBuf>,
+    /// Where the restored VM's private writable disk tops are created
+    /// (unlinked at once, so nothing is left behind).
+    pub scratch_dir: PathBuf,
+    /// The restored VM's instance id; a random one when `None`.
+    pub instance_id: Option<u64>,
+}
+
+impl RestoreOptions {
+    pub fn new(backend: MemoryBackend) -> Self {
+        Self {
+            backend,
+            prefetch: true,
+            record_working_set_for: Some(Duration::from_millis(200)),
+            serial: SerialOutput::Sink,
+            vsock_uds: None,
+            scratch_dir: std::env::temp_dir(),
+            instance_id: None,
+        }
+    }
+
+    /// For a fork child: no working set to prefetch or record (the layer is
+    /// fresh and short-lived).
+    pub fn for_fork(backend: MemoryBackend) -> Self {
+        Self {
+            prefetch: false,
+            record_working_set_for: None,
+            ..Self::new(backend)
+        }
+    }
+}
