@@ -98,10 +98,12 @@ impl Owner {
         match &self.slot {
             Slot::Ready(_) => WorkerState::Ready,
             Slot::Empty => WorkerState::Empty,
-            Slot::Vm(vm) => match vm.exit_reason() {
-                Some(r) => WorkerState::Exited(r.to_string()),
-                None if vm.is_paused() => WorkerState::Paused,
-                None => WorkerState::Running,
+            Slot::Vm(vm) => match vm.state() {
+                vmm::VmRunState::Created => WorkerState::Created,
+                vmm::VmRunState::Running => WorkerState::Running,
+                vmm::VmRunState::Paused => WorkerState::Paused,
+                vmm::VmRunState::Exited(r) => WorkerState::Exited(r.to_string()),
+                vmm::VmRunState::Failed(why) => WorkerState::Failed(why),
             },
         }
     }
@@ -173,20 +175,15 @@ impl Owner {
             Request::Restore(spec) => self.restore(spec, false),
             Request::RestoreForkLayer(spec) => self.restore(spec, true),
             Request::Pause => {
-                let vm = self.vm()?;
-                if vm.is_paused() {
-                    return Err(invalid("pause", "paused"));
-                }
-                vm.pause()
+                // The VM's run state refuses an impossible transition.
+                self.vm()?
+                    .pause()
                     .map_err(|e| err(vm_code(&e), format!("Cannot pause: {}", chain(&e))))?;
                 ok(After::Continue)
             }
             Request::Resume => {
-                let vm = self.vm()?;
-                if !vm.is_paused() {
-                    return Err(invalid("resume", "running"));
-                }
-                vm.resume()
+                self.vm()?
+                    .resume()
                     .map_err(|e| err(vm_code(&e), format!("Cannot resume: {}", chain(&e))))?;
                 ok(After::Continue)
             }
@@ -196,20 +193,14 @@ impl Owner {
                 } else {
                     vmm::SnapshotKind::Full
                 };
-                let vm = self.vm()?;
-                if let Some(r) = vm.exit_reason() {
-                    return Err(invalid("snapshot", &format!("exited ({r})")));
-                }
-                vm.snapshot(&dir, kind)
+                self.vm()?
+                    .snapshot(&dir, kind)
                     .map_err(|e| vmm_err("snapshot", e.code(), &e))?;
                 ok(After::Continue)
             }
             Request::WriteForkLayer { scratch_dir } => {
-                let vm = self.vm()?;
-                if let Some(r) = vm.exit_reason() {
-                    return Err(invalid("fork", &format!("exited ({r})")));
-                }
-                let l = vm
+                let l = self
+                    .vm()?
                     .write_fork_layer(&scratch_dir)
                     .map_err(|e| vmm_err("write a fork layer", e.code(), &e))?;
                 Ok((
@@ -301,11 +292,4 @@ impl Owner {
         self.slot = Slot::Vm(Box::new(vm));
         Ok((Response::Ok, After::Watch(exit)))
     }
-}
-
-fn invalid(op: &str, state: &str) -> Response {
-    err(
-        ErrorCode::InvalidState,
-        format!("Cannot {op}: the VM is {state}"),
-    )
 }

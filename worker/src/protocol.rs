@@ -219,10 +219,14 @@ pub enum WorkerState {
     Ready,
     /// No VM and no shell (a restore into the shell failed, or none was asked for).
     Empty,
+    /// A VM is built but has not run yet.
+    Created,
     Running,
     Paused,
     /// The VM has ended; the worker is about to exit.
     Exited(String),
+    /// The VMM could not bring every vCPU into one state.
+    Failed(String),
 }
 
 impl std::fmt::Display for WorkerState {
@@ -230,9 +234,11 @@ impl std::fmt::Display for WorkerState {
         match self {
             Self::Ready => f.write_str("ready"),
             Self::Empty => f.write_str("empty"),
+            Self::Created => f.write_str("created"),
             Self::Running => f.write_str("running"),
             Self::Paused => f.write_str("paused"),
             Self::Exited(r) => write!(f, "exited {r}"),
+            Self::Failed(r) => write!(f, "failed {r}"),
         }
     }
 }
