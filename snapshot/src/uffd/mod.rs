@@ -24,8 +24,9 @@
 //! `KVM_EXIT_MEMORY_FAULT`) in a vCPU. The same happens if the server fails
 //! (its error is in [`UffdRestore::server_error`]) or panics.
 
+mod fd;
+mod guest_ram;
 mod server;
-mod sys;
 mod working_set;
 
 use std::os::fd::OwnedFd;
@@ -39,8 +40,9 @@ use rustix::event::{eventfd, EventfdFlags};
 pub use working_set::{WorkingSet, WorkingSetError, WORKING_SET_FILE};
 
 use crate::layers::LayerStack;
+use fd::Uffd;
+use guest_ram::AnonMap;
 use server::{Server, Shared};
-use sys::{AnonMap, Uffd};
 
 #[derive(Debug, thiserror::Error)]
 pub enum UffdError {
@@ -167,8 +169,7 @@ impl UffdRestore {
         }
         .map_err(UffdError::Map)?;
         let uffd = Arc::new(Uffd::open().map_err(UffdError::Open)?);
-        uffd.register_missing(map.addr(), map.len())
-            .map_err(UffdError::Register)?;
+        uffd.register_missing(&map).map_err(UffdError::Register)?;
         let stop_fd = Arc::new(
             eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| UffdError::EventFd(e.into()))?,
@@ -330,7 +331,7 @@ mod tests {
         let stack = Arc::new(LayerStack::open(&[Snapshot::load(s.dir()).unwrap()]).unwrap());
         let map = AnonMap::new(ram.len()).unwrap();
         let uffd = Arc::new(Uffd::open().unwrap());
-        uffd.register_missing(map.addr(), map.len()).unwrap();
+        uffd.register_missing(&map).unwrap();
         let stop = Arc::new(eventfd(0, EventfdFlags::CLOEXEC).unwrap());
         let shared = Arc::new(Shared::default());
         let mut server = Server::new(

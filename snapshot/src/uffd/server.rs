@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-use super::sys::{self, Fill, Uffd};
+use userfaultfd::EventBuffer;
+
+use super::fd::{Fill, Uffd};
+use super::guest_ram;
 use super::WorkingSet;
 use crate::layers::{LayerStack, PageSource};
 use crate::PAGE_SIZE;
@@ -121,7 +124,8 @@ impl Server {
     }
 
     fn serve(&mut self) -> io::Result<()> {
-        let mut buf = [0u8; sys::MSG_SIZE * MSGS];
+        let mut events = EventBuffer::new(MSGS);
+        let mut addrs = Vec::with_capacity(MSGS);
         loop {
             let timeout = if self.background.is_some() {
                 Some(Duration::ZERO)
@@ -150,23 +154,18 @@ impl Server {
                 return Err(io::Error::other("userfaultfd reported an error"));
             }
             if uffd_ev.contains(PollFlags::IN) {
-                self.drain_faults(&mut buf)?;
+                self.drain_faults(&mut events, &mut addrs)?;
             }
             self.end_recording_if_due();
             self.background_step()?;
         }
     }
 
-    fn drain_faults(&mut self, buf: &mut [u8]) -> io::Result<()> {
+    fn drain_faults(&mut self, events: &mut EventBuffer, addrs: &mut Vec<u64>) -> io::Result<()> {
         loop {
-            let n = match rustix::io::read(&*self.uffd, &mut *buf) {
-                Ok(n) => n,
-                Err(rustix::io::Errno::AGAIN) => return Ok(()),
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => return Err(e.into()),
-            };
-            let addrs: Vec<u64> = sys::fault_addresses(&buf[..n]).collect();
-            for addr in addrs {
+            addrs.clear();
+            let n = self.uffd.read_faults(events, addrs)?;
+            for &addr in addrs.iter() {
                 let Some(off) = (addr as usize)
                     .checked_sub(self.base)
                     .filter(|&o| o < self.len)
@@ -182,7 +181,7 @@ impl Server {
                 // been discarded since; EEXIST then just wakes the waiter.
                 self.fill(pfn, 1, Why::Fault)?;
             }
-            if n < buf.len() {
+            if n < MSGS {
                 return Ok(());
             }
         }
@@ -320,7 +319,7 @@ impl Server {
     pub(super) fn close(&mut self) {
         self.finish_recording();
         if self.populated_count < self.stack.pages() {
-            if let Err(e) = sys::protect_none(self.base, self.len) {
+            if let Err(e) = guest_ram::protect_none(self.base, self.len) {
                 log::error!("Cannot protect unserved guest RAM: {e}");
             }
             self.shared.failed_closed.store(true, Relaxed);
