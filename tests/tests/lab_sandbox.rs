@@ -126,8 +126,12 @@ for k in $(cat /tmp/kids); do
   sprout vm exec --api-sock $k --exec "echo inherited: \$(cat /workspace/who); echo child$i > /workspace/who
     echo random: \$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
     echo uuid: \$(cat /proc/sys/kernel/random/uuid)
+    echo machine: \$(cat /etc/machine-id)
     echo host: \$(hostname)" || exit 12
+  # Each child is its own worker process.
+  echo child-pid: $(sprout vm ctl --api-sock $k describe | sed -n 's/^pid //p')
 done
+echo parent-pid: $(sprout vm ctl --api-sock /tmp/p.sock describe | sed -n 's/^pid //p')
 sprout vm exec --api-sock /tmp/p.sock --exec 'echo parent-later > /workspace/who' || exit 13
 i=0
 for k in $(cat /tmp/kids); do
@@ -139,9 +143,11 @@ sprout vm exec --api-sock /tmp/p.sock --exec 'echo parent-own: $(cat /workspace/
 k1=$(head -n 1 /tmp/kids)
 sprout vm fork --api-sock $k1 --count 1 > /tmp/grandkid || exit 16
 sprout vm exec --api-sock $k1 --exec 'echo child1-later > /workspace/who' || exit 17
-sprout vm exec --api-sock $(cat /tmp/grandkid) --exec 'echo grandchild-sees: $(cat /workspace/who); echo grandchild-host: $(hostname)' || exit 18
+sprout vm exec --api-sock $(cat /tmp/grandkid) --exec 'echo grandchild-sees: $(cat /workspace/who); echo grandchild-host: $(hostname); echo machine: $(cat /etc/machine-id)' || exit 18
 sprout vm ctl --api-sock /tmp/p.sock stop
 wait
+# The children outlive their parent; then they stop too.
+for k in $(cat /tmp/kids /tmp/grandkid); do sprout vm ctl --api-sock $k stop || exit 19; done
 "#
     );
     let out = lab::run(&script);
@@ -164,4 +170,13 @@ wait
     hosts.extend(out.values("grandchild-host:"));
     assert_eq!(hosts.len(), 5, "{o}");
     assert_eq!(hosts.iter().collect::<HashSet<_>>().len(), 5, "{hosts:?}");
+    let machines = out.values("machine:");
+    assert_eq!(machines.len(), 4, "{o}");
+    assert!(machines.iter().all(|m| m.len() == 32), "{machines:?}");
+    assert_eq!(machines.iter().collect::<HashSet<_>>().len(), 4, "{machines:?}");
+    let mut pids = out.values("child-pid:");
+    assert_eq!(pids.len(), 3, "{o}");
+    pids.extend(out.values("parent-pid:"));
+    assert!(pids.iter().all(|p| p.parse::<u32>().is_ok()), "{pids:?}");
+    assert_eq!(pids.iter().collect::<HashSet<_>>().len(), 4, "{pids:?}");
 }

@@ -1,8 +1,10 @@
 //! The end-to-end latency report: runs each measured path many times and
 //! prints p50/p99 (and min/max) as a Markdown table for docs/benchmarks.md.
 //!
-//! `cargo run --release -p sprout-benches --bin report -- [vm|snapshot|fork|all] [RUNS]`
-//! (default: all, 200 runs for the VM core, 30 for snapshots).
+//! `cargo run --release -p sprout-benches --bin report -- [vm|snapshot|fork|workers|all] [RUNS]`
+//! (default: all, 200 runs for the VM core, 30 for snapshots). `workers`
+//! measures fork and restore across worker processes beside the same
+//! in-process; this binary is its own worker (`report worker ...`).
 
 use std::time::{Duration, Instant};
 
@@ -36,6 +38,10 @@ fn row(name: &str, mut v: Vec<Duration>) {
 
 fn main() -> anyhow::Result<()> {
     let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
+    if what == "worker" {
+        let code = sprout_worker::worker_main(std::env::args_os().skip(2));
+        std::process::exit(if code == std::process::ExitCode::SUCCESS { 0 } else { 1 });
+    }
     let runs: Option<usize> = std::env::args().nth(2).map(|s| s.parse()).transpose()?;
     println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");
     println!("| --- | --- | --- | --- | --- | --- |");
@@ -48,11 +54,15 @@ fn main() -> anyhow::Result<()> {
     if what == "fork" || what == "all" {
         fork::run(runs.unwrap_or(30))?;
     }
+    if what == "workers" || what == "all" {
+        workers::run(runs.unwrap_or(30))?;
+    }
     Ok(())
 }
 
 mod fork;
 mod snapshots;
+mod workers;
 
 fn vm_core(runs: usize) -> anyhow::Result<()> {
     let mut create = Vec::with_capacity(runs);
