@@ -44,7 +44,8 @@ for n in 1 4; do
   i=0
   while [ \$i -lt $runs ]; do
     t0=\$(now_us)
-    sprout vm fork --api-sock /tmp/p.sock --count \$n >/tmp/kids || exit 12
+    # Children are worker processes now: the forking sprout logs the times.
+    RUST_LOG=service::control=info sprout vm fork --api-sock /tmp/p.sock --count \$n >/tmp/kids 2>>/tmp/fork.log || exit 12
     for k in \$(cat /tmp/kids); do sprout vm exec --api-sock \$k --exec true || exit 13; done
     t1=\$(now_us)
     echo "fork\${n}_all_exec \$((t1 - t0))"
@@ -53,7 +54,7 @@ for n in 1 4; do
   done
 done
 sed -n 's/.*fork(\([0-9]*\)): children running \([0-9]*\) us.*/fork\1_running \2/p
-        s/.*fork(\([0-9]*\)): children re-identified \([0-9]*\) us.*/fork\1_identity \2/p' /tmp/p.log
+        s/.*fork(\([0-9]*\)): children re-identified \([0-9]*\) us.*/fork\1_identity \2/p' /tmp/fork.log
 sprout vm ctl --api-sock /tmp/p.sock stop >/dev/null
 wait
 EOS
