@@ -64,7 +64,10 @@ async fn fifty_mib_write_and_read_round_trip() {
     assert!(r.hit_eof());
 
     let mut sink = Vec::new();
-    let n = client.download("big/nested/blob", &mut sink).await.unwrap();
+    let n = client
+        .download("big/nested/blob", &mut sink, u64::MAX)
+        .await
+        .unwrap();
     assert_eq!(n, data.len() as u64);
     assert_eq!(sha256_hex(&sink), want);
 }

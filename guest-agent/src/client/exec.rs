@@ -129,7 +129,7 @@ impl ExecSession {
             }
             m => {
                 self.finished = true;
-                Err(unexpected("Output or Exit", &m))
+                Err(unexpected("Output or Exit", m))
             }
         }
     }
@@ -172,7 +172,7 @@ impl Client {
         let id = conn.send(&req.into()).await?;
         let (exec_id, pid) = match conn.recv(id, cfg.request_timeout).await? {
             Message::ExecStarted(s) => (s.exec_id, s.pid),
-            m => return Err(unexpected("ExecStarted", &m)),
+            m => return Err(unexpected("ExecStarted", m)),
         };
         let writer = Arc::new(Mutex::new(conn.writer));
         let stdin = streaming.then(|| ExecStdin {

@@ -2,7 +2,7 @@
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::{unexpected, Client, ClientError, Conn};
+use super::{list_entry_bytes, unexpected, Client, ClientError, Conn};
 use crate::protocol::{
     Bytes, FileInfo, List, Message, Read, Write, WriteData, WriteEnd, WriteMode, MAX_CHUNK,
 };
@@ -16,10 +16,17 @@ pub struct WriteOptions {
 }
 
 /// A file being read: chunks as they arrive. Dropping it early closes its connection.
+///
+/// The agent may send at most the length asked for, in chunks of at most
+/// [`MAX_CHUNK`] bytes: a chunk past either bound fails with [`ClientError::Overrun`]
+/// (or [`ClientError::Unexpected`] for an oversized chunk) before it is handed out, and
+/// the connection is dropped.
 pub struct FileReader {
     client: Client,
     conn: Option<Conn>,
     request_id: u64,
+    /// Most bytes this read may yield (`u64::MAX` for a read to the end).
+    asked: u64,
     received: u64,
     eof: bool,
 }
@@ -41,7 +48,28 @@ impl FileReader {
         };
         match msg {
             Message::ReadData(d) => {
-                self.received += d.data.len() as u64;
+                let n = d.data.len() as u64;
+                let got = self.received.saturating_add(n);
+                let bad = if n > MAX_CHUNK as u64 {
+                    Some(ClientError::Unexpected {
+                        expected: "a read chunk of at most MAX_CHUNK bytes",
+                        got: format!("a chunk of {n} bytes"),
+                    })
+                } else if got > self.asked {
+                    Some(ClientError::Overrun {
+                        asked: self.asked,
+                        got,
+                    })
+                } else {
+                    None
+                };
+                if let Some(e) = bad {
+                    // The rest of the answer is not read: the connection goes.
+                    self.conn = None;
+                    self.client.reset_pool();
+                    return Err(e);
+                }
+                self.received = got;
                 Ok(Some(d.data.into_vec()))
             }
             Message::ReadEnd(end) => {
@@ -63,7 +91,7 @@ impl FileReader {
                 if let Some(conn) = self.conn.take().filter(|_| clean) {
                     self.client.checkin(conn);
                 }
-                Err(unexpected("ReadData or ReadEnd", &m))
+                Err(unexpected("ReadData or ReadEnd", m))
             }
         }
     }
@@ -80,22 +108,36 @@ impl FileReader {
 }
 
 impl Client {
-    /// Lists a directory (at most [`max_list_entries`](super::ClientConfig) entries).
+    /// Lists a directory: at most [`max_list_entries`](super::ClientConfig) entries
+    /// holding at most [`max_list_bytes`](super::ClientConfig) bytes
+    /// ([`list_entry_bytes`] each), else [`ClientError::TooLarge`].
     pub async fn list(&self, path: &str) -> Result<Vec<FileInfo>, ClientError> {
         let limit = self.config().request_timeout;
         let max = self.config().max_list_entries;
+        let max_bytes = self.config().max_list_bytes;
         let req: Message = List { path: path.into() }.into();
         self.with_conn(async |c: &mut Conn| {
             let id = c.send(&req).await?;
             let mut all = Vec::new();
+            let mut bytes = 0usize;
             loop {
                 match c.recv(id, limit).await? {
                     Message::Entries(e) => {
-                        if all.len() + e.entries.len() > max {
-                            // Mid-answer: with_conn drops this connection.
+                        // Mid-answer: with_conn drops this connection.
+                        if all.len().saturating_add(e.entries.len()) > max {
                             return Err(ClientError::TooLarge {
                                 what: "the directory listing",
                                 limit: max as u64,
+                            });
+                        }
+                        bytes = e
+                            .entries
+                            .iter()
+                            .fold(bytes, |b, i| b.saturating_add(list_entry_bytes(i)));
+                        if bytes > max_bytes {
+                            return Err(ClientError::TooLarge {
+                                what: "the directory listing's size in bytes",
+                                limit: max_bytes as u64,
                             });
                         }
                         all.extend(e.entries);
@@ -103,7 +145,7 @@ impl Client {
                             return Ok(all);
                         }
                     }
-                    m => return Err(unexpected("Entries", &m)),
+                    m => return Err(unexpected("Entries", m)),
                 }
             }
         })
@@ -134,6 +176,7 @@ impl Client {
             client: self.clone(),
             conn: Some(conn),
             request_id,
+            asked: len.unwrap_or(u64::MAX),
             received: 0,
             eof: false,
         })
@@ -141,7 +184,9 @@ impl Client {
 
     /// Reads all of `path`, refusing files over `max` bytes.
     pub async fn read_to_vec(&self, path: &str, max: usize) -> Result<Vec<u8>, ClientError> {
-        let mut r = self.read_file(path, 0, Some(max as u64 + 1)).await?;
+        let mut r = self
+            .read_file(path, 0, Some((max as u64).saturating_add(1)))
+            .await?;
         let mut out = Vec::new();
         while let Some(chunk) = r.next_chunk().await? {
             if out.len() + chunk.len() > max {
@@ -155,14 +200,25 @@ impl Client {
         Ok(out)
     }
 
-    /// Copies `path` into `out` chunk by chunk; the number of bytes copied.
+    /// Copies `path` into `out` chunk by chunk; the number of bytes copied. A file
+    /// over `max` bytes fails with [`ClientError::TooLarge`], and nothing past `max`
+    /// bytes is written to `out`.
     pub async fn download<W: AsyncWrite + Unpin>(
         &self,
         path: &str,
         out: &mut W,
+        max: u64,
     ) -> Result<u64, ClientError> {
-        let mut r = self.read_file(path, 0, None).await?;
+        let mut r = self.read_file(path, 0, Some(max.saturating_add(1))).await?;
+        let mut copied = 0u64;
         while let Some(chunk) = r.next_chunk().await? {
+            copied = copied.saturating_add(chunk.len() as u64);
+            if copied > max {
+                return Err(ClientError::TooLarge {
+                    what: "the file",
+                    limit: max,
+                });
+            }
             out.write_all(&chunk).await.map_err(ClientError::Io)?;
         }
         out.flush().await.map_err(ClientError::Io)?;
@@ -187,7 +243,7 @@ impl Client {
             let id = c.send(&req).await?;
             match c.recv(id, limit).await? {
                 Message::Done(_) => {}
-                m => return Err(unexpected("Done", &m)),
+                m => return Err(unexpected("Done", m)),
             }
             let mut buf = vec![0u8; MAX_CHUNK];
             loop {
@@ -207,7 +263,7 @@ impl Client {
             c.send_as(id, &WriteEnd {}.into()).await?;
             match c.recv(id, limit).await? {
                 Message::Written(w) => Ok(w.bytes),
-                m => Err(unexpected("Written", &m)),
+                m => Err(unexpected("Written", m)),
             }
         })
         .await

@@ -17,8 +17,13 @@
 //! An exec's output may pause for as long as the process likes: only an exec with
 //! `timeout_ms` gets a client deadline (`timeout_ms` + `request_timeout`).
 //!
-//! Everything the agent sends is bounded: frames by the protocol, listings by
-//! [`ClientConfig::max_list_entries`], collected output by the caller's cap.
+//! Everything the agent sends is bounded in bytes before the client keeps it: frames by
+//! the protocol ([`MAX_PAYLOAD`](crate::protocol::MAX_PAYLOAD)), listings by
+//! [`ClientConfig::max_list_entries`] and [`ClientConfig::max_list_bytes`], reads by the
+//! length asked for (a guest that sends more is refused with
+//! [`ClientError::Overrun`]), collected exec output and whole-file reads by the caller's
+//! cap, and texts the agent sends (error messages, identity refresh reports) are clipped
+//! to [`MAX_AGENT_TEXT`] bytes.
 
 mod exec;
 mod files;
@@ -37,8 +42,8 @@ pub use exec::{ExecEvent, ExecOutput, ExecSession, ExecStdin};
 pub use files::{FileReader, WriteOptions};
 
 use crate::protocol::{
-    ErrorCode, FileInfo, Identity, IdentityDone, Kill, Message, Mkdir, Ping, Pong, Remove, Rename,
-    Stat,
+    ErrorCode, ErrorMsg, FileInfo, Identity, IdentityDone, Kill, Message, Mkdir, Ping, Pong,
+    Remove, Rename, Stat,
 };
 use crate::wire::{write_frame, FrameReader, WireError};
 
@@ -68,6 +73,24 @@ pub struct ClientConfig {
     pub max_idle: usize,
     /// Most entries a listing may return.
     pub max_list_entries: usize,
+    /// Most bytes a listing may hold (see [`list_entry_bytes`]).
+    pub max_list_bytes: usize,
+}
+
+/// Default of [`ClientConfig::max_list_bytes`]: 8 MiB of names and entries.
+pub const DEFAULT_MAX_LIST_BYTES: usize = 8 << 20;
+
+/// Longest text from the agent (an error message, one line of an identity refresh
+/// report, a host name) the client keeps; the rest is cut off.
+pub const MAX_AGENT_TEXT: usize = 4096;
+
+/// Most lines of an identity refresh report the client keeps.
+pub const MAX_AGENT_REPORT_LINES: usize = 16;
+
+/// What one listing entry costs against [`ClientConfig::max_list_bytes`]: the entry
+/// itself plus its name bytes.
+pub fn list_entry_bytes(e: &FileInfo) -> usize {
+    std::mem::size_of::<FileInfo>() + e.name.len() + e.raw_name.as_ref().map_or(0, |r| r.len())
 }
 
 impl Default for ClientConfig {
@@ -77,6 +100,7 @@ impl Default for ClientConfig {
             request_timeout: Duration::from_secs(30),
             max_idle: 8,
             max_list_entries: 1_000_000,
+            max_list_bytes: DEFAULT_MAX_LIST_BYTES,
         }
     }
 }
@@ -107,6 +131,8 @@ pub enum ClientError {
     Agent { code: ErrorCode, message: String },
     #[error("{what} is over the client's limit of {limit}")]
     TooLarge { what: &'static str, limit: u64 },
+    #[error("The agent sent {got} bytes or more of a read of at most {asked}")]
+    Overrun { asked: u64, got: u64 },
 }
 
 impl ClientError {
@@ -127,6 +153,7 @@ impl ClientError {
                 | ClientError::Protocol(_)
                 | ClientError::Timeout(_)
                 | ClientError::Unexpected { .. }
+                | ClientError::Overrun { .. }
         )
     }
 }
@@ -152,12 +179,32 @@ impl From<WireError> for ClientError {
     }
 }
 
-fn unexpected(expected: &'static str, got: &Message) -> ClientError {
+/// `s` cut to at most `max` (at least 3) bytes at a character boundary, ending in `…`
+/// if cut.
+pub(crate) fn clip(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max.saturating_sub('…'.len_utf8());
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push('…');
+    }
+    s
+}
+
+/// The agent's refusal, its message clipped to [`MAX_AGENT_TEXT`].
+fn agent_error(e: ErrorMsg) -> ClientError {
+    ClientError::Agent {
+        code: e.code,
+        message: clip(e.message, MAX_AGENT_TEXT),
+    }
+}
+
+/// `got`, which is not the `expected` answer, as an error.
+fn unexpected(expected: &'static str, got: Message) -> ClientError {
     match got {
-        Message::ErrorMsg(e) => ClientError::Agent {
-            code: e.code,
-            message: e.message.clone(),
-        },
+        Message::ErrorMsg(e) => agent_error(e),
         other => ClientError::Unexpected {
             expected,
             got: other.name().to_owned(),
@@ -333,10 +380,7 @@ impl Client {
         self.with_conn(async |c: &mut Conn| {
             let id = c.send(&msg).await?;
             match c.recv(id, limit).await? {
-                Message::ErrorMsg(e) => Err(ClientError::Agent {
-                    code: e.code,
-                    message: e.message,
-                }),
+                Message::ErrorMsg(e) => Err(agent_error(e)),
                 m => Ok(m),
             }
         })
@@ -346,14 +390,17 @@ impl Client {
     async fn done(&self, msg: Message) -> Result<(), ClientError> {
         match self.unary(msg).await? {
             Message::Done(_) => Ok(()),
-            m => Err(unexpected("Done", &m)),
+            m => Err(unexpected("Done", m)),
         }
     }
 
     pub async fn ping(&self) -> Result<Pong, ClientError> {
         match self.unary(Ping {}.into()).await? {
-            Message::Pong(p) => Ok(p),
-            m => Err(unexpected("Pong", &m)),
+            Message::Pong(mut p) => {
+                p.agent_version = clip(p.agent_version, MAX_AGENT_TEXT);
+                Ok(p)
+            }
+            m => Err(unexpected("Pong", m)),
         }
     }
 
@@ -365,7 +412,7 @@ impl Client {
     pub async fn stat(&self, path: &str) -> Result<FileInfo, ClientError> {
         match self.unary(Stat { path: path.into() }.into()).await? {
             Message::StatResult(s) => Ok(s.info),
-            m => Err(unexpected("StatResult", &m)),
+            m => Err(unexpected("StatResult", m)),
         }
     }
 
@@ -397,10 +444,28 @@ impl Client {
     /// Re-identifies the guest (only an agent run with `--allow-identity` accepts it).
     pub async fn identity_refresh(&self, req: Identity) -> Result<IdentityDone, ClientError> {
         match self.unary(req.into()).await? {
-            Message::IdentityDone(d) => Ok(d),
-            m => Err(unexpected("IdentityDone", &m)),
+            Message::IdentityDone(d) => Ok(clip_report(d)),
+            m => Err(unexpected("IdentityDone", m)),
         }
     }
+}
+
+/// `d` with its texts clipped: at most [`MAX_AGENT_REPORT_LINES`] error lines of at
+/// most [`MAX_AGENT_TEXT`] bytes each, names of at most [`MAX_AGENT_TEXT`] bytes.
+fn clip_report(mut d: IdentityDone) -> IdentityDone {
+    let dropped = d.errors.len().saturating_sub(MAX_AGENT_REPORT_LINES);
+    d.errors.truncate(MAX_AGENT_REPORT_LINES);
+    d.errors = d
+        .errors
+        .into_iter()
+        .map(|l| clip(l, MAX_AGENT_TEXT))
+        .collect();
+    if dropped > 0 {
+        d.errors.push(format!("({dropped} more lines dropped)"));
+    }
+    d.hostname = d.hostname.map(|h| clip(h, MAX_AGENT_TEXT));
+    d.machine_id = d.machine_id.map(|m| clip(m, MAX_AGENT_TEXT));
+    d
 }
 
 /// `CONNECT <port>\n`, then `OK <host port>\n` read byte by byte (nothing past it).
@@ -441,6 +506,20 @@ async fn vsock_handshake(stream: &mut UnixStream, port: u32) -> Result<(), Clien
 mod tests {
     use super::*;
     use tokio::net::UnixListener;
+
+    #[test]
+    fn clip_cuts_at_a_character_boundary() {
+        assert_eq!(clip("short".into(), 16), "short");
+        let c = clip("é".repeat(100), 16);
+        assert!(c.len() <= 16 && c.ends_with('…'), "{c:?}");
+        assert_eq!(clip("abcdef".into(), 2), "…");
+        let d = clip_report(IdentityDone {
+            errors: vec!["e".repeat(MAX_AGENT_TEXT * 2); 100],
+            ..IdentityDone::default()
+        });
+        assert_eq!(d.errors.len(), MAX_AGENT_REPORT_LINES + 1);
+        assert!(d.errors.iter().all(|l| l.len() <= MAX_AGENT_TEXT));
+    }
 
     #[tokio::test]
     async fn vsock_handshake_reads_exactly_one_line() {

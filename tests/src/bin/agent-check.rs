@@ -187,6 +187,7 @@ async fn run(opts: Opts) -> bool {
         request_timeout: Duration::from_secs(60),
         max_idle: 8,
         max_list_entries: 100_000,
+        ..ClientConfig::default()
     };
     let client = Client::new(opts.endpoint.clone(), config);
     println!("agent-check: agent at {}", opts.endpoint);

@@ -1,0 +1,158 @@
+//! The host client against a hostile agent: a fake server speaking the protocol that
+//! sends answers over every bound. The client must refuse them without holding them.
+
+use std::path::PathBuf;
+
+use guest_agent::client::{Client, ClientConfig, ClientError, Endpoint};
+use guest_agent::protocol::{
+    Bytes, Entries, ErrorCode, ErrorMsg, FileInfo, FileKind, Identity, IdentityDone, Message,
+    ReadData, ReadEnd, MAX_CHUNK,
+};
+use guest_agent::wire::{write_frame, FrameReader};
+use tokio::net::UnixListener;
+
+type Answer = Box<dyn Iterator<Item = Message> + Send>;
+
+/// A fake agent on a Unix socket that answers every request with what `answer` yields
+/// for it, produced lazily (so it never holds more than one frame either).
+fn hostile(answer: fn(&Message) -> Answer) -> (Client, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock: PathBuf = dir.path().join("hostile.sock");
+    let l = UnixListener::bind(&sock).unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let (r, mut w) = s.into_split();
+                let mut r = FrameReader::new(r);
+                while let Ok(Some(f)) = r.next().await {
+                    for m in answer(&f.msg) {
+                        if write_frame(&mut w, f.request_id, &m).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let client = Client::new(Endpoint::Unix(sock), ClientConfig::default());
+    (client, dir)
+}
+
+fn big_entry(i: usize) -> FileInfo {
+    FileInfo {
+        name: format!("{i:08}{}", "n".repeat(4000)),
+        raw_name: None,
+        kind: FileKind::File,
+        size: 0,
+        mode: 0o644,
+        mtime_sec: 0,
+        mtime_nsec: 0,
+    }
+}
+
+/// 120 frames of 250 entries with 4 KB names each: 30 000 entries (far under the count
+/// limit) but about 120 MB.
+fn huge_listing(m: &Message) -> Answer {
+    match m {
+        Message::List(_) => Box::new((0..120).map(|f| {
+            Entries {
+                entries: (0..250).map(|i| big_entry(f * 250 + i)).collect(),
+                more: f < 119,
+            }
+            .into()
+        })),
+        _ => Box::new(std::iter::empty()),
+    }
+}
+
+#[tokio::test]
+async fn a_listing_over_the_byte_budget_is_refused() {
+    let (client, _dir) = hostile(huge_listing);
+    match client.list("d").await {
+        Err(ClientError::TooLarge { .. }) => {}
+        Err(e) => panic!("refused for the wrong reason: {e}"),
+        Ok(v) => panic!("accepted a listing of {} entries", v.len()),
+    }
+}
+
+/// 16 MiB of data for any read, whatever length was asked.
+fn long_read(m: &Message) -> Answer {
+    match m {
+        Message::Read(_) => Box::new(
+            (0..64)
+                .map(|_| {
+                    ReadData {
+                        data: Bytes::from(vec![b'x'; MAX_CHUNK]),
+                    }
+                    .into()
+                })
+                .chain(std::iter::once(
+                    ReadEnd {
+                        bytes: 64 * MAX_CHUNK as u64,
+                        eof: true,
+                    }
+                    .into(),
+                )),
+        ),
+        _ => Box::new(std::iter::empty()),
+    }
+}
+
+#[tokio::test]
+async fn a_read_longer_than_asked_is_refused() {
+    let (client, _dir) = hostile(long_read);
+    let mut r = client.read_file("f", 0, Some(16)).await.unwrap();
+    let mut got = 0usize;
+    let end = loop {
+        match r.next_chunk().await {
+            Ok(Some(c)) => got += c.len(),
+            Ok(None) => break None,
+            Err(e) => break Some(e),
+        }
+    };
+    assert!(got <= 16, "asked for 16 bytes, was handed {got}");
+    let e = end.expect("a read of 16 MiB for 16 bytes ended cleanly");
+    assert!(
+        matches!(e, ClientError::Overrun { asked: 16, .. }),
+        "unclear error: {e}"
+    );
+    assert!(e.is_connection());
+
+    // A download bounded to 16 bytes writes no more than that, and fails.
+    let mut sink = Vec::new();
+    let e = client.download("f", &mut sink, 16).await.unwrap_err();
+    assert!(sink.len() <= 16, "{} bytes written", sink.len());
+    assert!(matches!(e, ClientError::Overrun { .. }), "{e}");
+}
+
+/// Near-1-MiB texts wherever the agent may send text.
+fn long_texts(m: &Message) -> Answer {
+    let msg: Message = match m {
+        Message::Stat(_) => ErrorMsg::new(ErrorCode::Io, "E".repeat(1_000_000)).into(),
+        Message::Identity(_) => IdentityDone {
+            errors: vec!["x".repeat(990); 1000],
+            hostname: Some("h".repeat(10_000)),
+            ..IdentityDone::default()
+        }
+        .into(),
+        _ => return Box::new(std::iter::empty()),
+    };
+    Box::new(std::iter::once(msg))
+}
+
+#[tokio::test]
+async fn agent_texts_are_clipped() {
+    let (client, _dir) = hostile(long_texts);
+    let e = client.stat("f").await.unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Io));
+    assert!(
+        e.to_string().len() < 8 << 10,
+        "{} bytes",
+        e.to_string().len()
+    );
+
+    let d = client.identity_refresh(Identity::default()).await.unwrap();
+    let kept: usize = d.errors.iter().map(String::len).sum();
+    assert!(kept < 128 << 10, "kept {kept} bytes of errors");
+    assert!(d.hostname.unwrap().len() < 8 << 10);
+}
