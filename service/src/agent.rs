@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use guest_agent::client::{Client, ClientConfig, ClientError, Endpoint, ExecEvent, WriteOptions};
 use guest_agent::protocol::{
-    Bytes, Exec, Identity, IdentityDone, DEFAULT_VSOCK_PORT, IDENTITY_ENTROPY_LEN,
+    Bytes, Exec, FileKind, Identity, IdentityDone, DEFAULT_VSOCK_PORT, IDENTITY_ENTROPY_LEN,
 };
 use vmm::vcpu::ExitSignal;
 use vmm::ExitReason;
@@ -181,13 +181,45 @@ pub async fn put(client: &Client, local: &str, remote: &str) -> Result<u64, Agen
     Ok(n)
 }
 
+/// Most bytes `--get` copies from the guest into one host file.
+pub const MAX_GET_BYTES: u64 = 4 << 30;
+
 /// Copies `remote` in the guest to the host file `local` (created or
-/// truncated), streaming it; the bytes copied. A failed copy removes `local`.
+/// truncated), streaming it; the bytes copied. At most the size the guest
+/// announces for the file, and at most [`MAX_GET_BYTES`] (see [`get_bounded`]).
 pub async fn get(client: &Client, remote: &str, local: &str) -> Result<u64, AgentError> {
+    get_bounded(client, remote, local, MAX_GET_BYTES).await
+}
+
+/// Like [`get`] with a byte limit of `max`. The guest first announces the
+/// file's size (a stat); a file over `max`, or a guest that then sends more
+/// than it announced, fails the copy, and nothing past the bound is written.
+/// A failed copy removes `local`.
+pub async fn get_bounded(
+    client: &Client,
+    remote: &str,
+    local: &str,
+    max: u64,
+) -> Result<u64, AgentError> {
+    let cannot =
+        |e: ClientError| AgentError::File(format!("Cannot read {remote} from the guest: {e}"));
+    // The stat does not follow a final symlink; the read does. A symlink's
+    // announced size is its target's name, so it is not a bound: use `max`.
+    let info = client.stat(remote).await.map_err(cannot)?;
+    let bound = match info.kind {
+        FileKind::File if info.size > max => {
+            return Err(cannot(ClientError::TooLarge {
+                what: "the file",
+                limit: max,
+            }))
+        }
+        FileKind::File => info.size,
+        _ => max,
+    };
     let mut f = tokio::fs::File::create(local)
         .await
         .map_err(|e| AgentError::File(format!("Cannot create {local}: {e}")))?;
-    match client.download(remote, &mut f).await {
+    match client.download(remote, &mut f, bound).await {
         Ok(n) => {
             f.sync_all()
                 .await
@@ -197,9 +229,7 @@ pub async fn get(client: &Client, remote: &str, local: &str) -> Result<u64, Agen
         Err(e) => {
             drop(f);
             let _ = tokio::fs::remove_file(local).await;
-            Err(AgentError::File(format!(
-                "Cannot read {remote} from the guest: {e}"
-            )))
+            Err(cannot(e))
         }
     }
 }
@@ -218,6 +248,80 @@ mod tests {
         for bad in ["", "a", ":b", "a:"] {
             assert!(bad.parse::<Transfer>().is_err(), "{bad:?}");
         }
+    }
+
+    /// A fake agent on a Unix socket (std, on a thread) that announces 16-byte
+    /// files in its stat answers and then sends 2 MiB for any read.
+    fn lying_agent(dir: &Path) -> Client {
+        use guest_agent::protocol::{
+            decode_message, encode, FileInfo, FileKind, Header, Message, ReadData, ReadEnd,
+            StatResult, HEADER_LEN, MAX_CHUNK,
+        };
+        use std::io::Read as _;
+        let sock = dir.join("lying.sock");
+        let l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                std::thread::spawn(move || loop {
+                    let mut h = [0u8; HEADER_LEN];
+                    if s.read_exact(&mut h).is_err() {
+                        return;
+                    }
+                    let hdr = Header::parse(&h).unwrap();
+                    let mut p = vec![0u8; hdr.len as usize];
+                    s.read_exact(&mut p).unwrap();
+                    let answers: Vec<Message> = match decode_message(&hdr, &p).unwrap() {
+                        Message::Stat(_) => vec![StatResult {
+                            info: FileInfo {
+                                name: "f".into(),
+                                raw_name: None,
+                                kind: FileKind::File,
+                                size: 16,
+                                mode: 0o644,
+                                mtime_sec: 0,
+                                mtime_nsec: 0,
+                            },
+                        }
+                        .into()],
+                        Message::Read(_) => (0..8)
+                            .map(|_| {
+                                ReadData {
+                                    data: Bytes::from(vec![b'x'; MAX_CHUNK]),
+                                }
+                                .into()
+                            })
+                            .chain([ReadEnd {
+                                bytes: 8 * MAX_CHUNK as u64,
+                                eof: true,
+                            }
+                            .into()])
+                            .collect(),
+                        _ => return,
+                    };
+                    for m in answers {
+                        if s.write_all(&encode(hdr.request_id, &m).unwrap()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Client::new(Endpoint::Unix(sock), ClientConfig::default())
+    }
+
+    #[tokio::test]
+    async fn get_refuses_more_than_the_guest_announced() {
+        let dir = std::env::temp_dir().join(format!("sprout-get-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let client = lying_agent(&dir);
+        let local = dir.join("copy");
+        let r = get(&client, "f", local.to_str().unwrap()).await;
+        let written = std::fs::metadata(&local).map_or(0, |m| m.len());
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(written <= 16, "{written} bytes written for a 16-byte file");
+        assert!(r.is_err(), "a 2 MiB answer for a 16-byte file was accepted");
     }
 
     #[test]
