@@ -262,3 +262,47 @@ fn layout_paths_are_what_the_suite_assumes() {
     assert!(!agent.dir.path().starts_with(&agent.root));
     assert!(Path::new(&agent.root).starts_with(agent.dir.path()));
 }
+
+/// A hard link made inside the root to a file outside it: neither a read nor any kind
+/// of write goes through it to the outside inode, while a single-link file still works.
+#[tokio::test]
+async fn hard_links_to_outside_inodes_are_neither_read_nor_written() {
+    use guest_agent::protocol::WriteMode;
+    let agent = Agent::start();
+    let outside = agent.dir.path().join("outside-secret");
+    std::fs::write(&outside, b"SECRET").unwrap();
+    std::fs::hard_link(&outside, agent.root.join("link")).unwrap();
+    let c = agent.client();
+
+    let r = read(&c, "link").await;
+    assert!(
+        !matches!(&r, Ok(d) if d == b"SECRET"),
+        "read the outside inode through a hard link"
+    );
+    assert_eq!(r.unwrap_err().code(), Some(ErrorCode::PermissionDenied));
+    let r = c
+        .read_file("link", 0, None)
+        .await
+        .unwrap()
+        .next_chunk()
+        .await;
+    assert_eq!(r.unwrap_err().code(), Some(ErrorCode::PermissionDenied));
+
+    for mode in [WriteMode::Truncate, WriteMode::Append] {
+        let opts = WriteOptions { mode, perm: None };
+        let mut data = &b"OVERWRITTEN"[..];
+        let r = c.write_file("link", opts, &mut data).await;
+        assert_eq!(
+            std::fs::read(&outside).unwrap(),
+            b"SECRET",
+            "{mode:?} changed the outside inode"
+        );
+        assert_eq!(r.unwrap_err().code(), Some(ErrorCode::PermissionDenied));
+    }
+
+    // Once the outside name is gone the file has one link and is the root's own.
+    std::fs::remove_file(&outside).unwrap();
+    assert_eq!(read(&c, "link").await.unwrap(), b"SECRET");
+    c.write_bytes("link", b"mine").await.unwrap();
+    assert_eq!(read(&c, "link").await.unwrap(), b"mine");
+}

@@ -15,6 +15,13 @@
 //! way and then use the `*at` system call on the last component, which never follows a
 //! symlink there. A recursive remove walks with `O_NOFOLLOW` descriptors and unlinks
 //! symlinks without following them.
+//!
+//! Hard links: `RESOLVE_BENEATH` confines names, not inodes, and a hard link inside the
+//! root may name an inode whose other name is outside it (in a VM `/workspace` is a
+//! mount of its own, which `link(2)` cannot cross, but an agent run as a host process
+//! on a plain directory has no such wall). So reads and writes refuse a regular file
+//! with more than one link ([`FsError::HardLinked`], `PermissionDenied` on the wire),
+//! checked on the opened descriptor before a byte is read, written or truncated.
 
 mod ops;
 mod resolve;
@@ -50,6 +57,8 @@ pub enum FsError {
     PermissionDenied(String),
     #[error("Too many levels of symbolic links in {0:?}")]
     Loop(String),
+    #[error("Path {0:?} has {1} hard links: refused, another may be outside the files root")]
+    HardLinked(String, u64),
     #[error("Directory tree under {0:?} is too deep to remove")]
     TooDeep(String),
     #[error("Files root {0:?} cannot be opened")]
@@ -75,7 +84,7 @@ impl FsError {
             FsError::IsADirectory(_) => ErrorCode::IsADirectory,
             FsError::NotAFile(_) => ErrorCode::BadRequest,
             FsError::NotEmpty(_) => ErrorCode::NotEmpty,
-            FsError::PermissionDenied(_) => ErrorCode::PermissionDenied,
+            FsError::PermissionDenied(_) | FsError::HardLinked(..) => ErrorCode::PermissionDenied,
             FsError::Loop(_) => ErrorCode::InvalidPath,
             FsError::TooDeep(_) => ErrorCode::TooLarge,
             FsError::Root(..) | FsError::Io { .. } => ErrorCode::Io,

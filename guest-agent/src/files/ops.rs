@@ -2,7 +2,7 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -100,8 +100,13 @@ pub fn list(
 }
 
 /// Checks that `fd` (opened with `O_NONBLOCK`, so that a FIFO cannot block the open)
-/// is a regular file and makes it blocking.
-fn regular_file(fd: OwnedFd, shown: &str) -> Result<File, FsError> {
+/// is a regular file with a single link, and makes it blocking; the file and its stat.
+///
+/// A second link may be a name outside the root for the same inode (a hard link made
+/// inside the root to a file outside it), so a file with more than one link is neither
+/// read nor written. The check is on the opened descriptor, so it is about the very
+/// inode the caller gets.
+fn regular_file(fd: OwnedFd, shown: &str) -> Result<(File, rfs::Stat), FsError> {
     let err = |e| FsError::from_errno("open", shown, e);
     let st = rfs::fstat(&fd).map_err(err)?;
     match FileType::from_raw_mode(st.st_mode) {
@@ -109,24 +114,26 @@ fn regular_file(fd: OwnedFd, shown: &str) -> Result<File, FsError> {
         FileType::Directory => return Err(FsError::IsADirectory(shown.to_owned())),
         _ => return Err(FsError::NotAFile(shown.to_owned())),
     }
+    if st.st_nlink > 1 {
+        return Err(FsError::HardLinked(shown.to_owned(), st.st_nlink as u64));
+    }
     let fl = rfs::fcntl_getfl(&fd).map_err(err)?;
     rfs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(err)?;
-    Ok(File::from(fd))
+    Ok((File::from(fd), st))
 }
 
 /// Opens regular file `rel` for reading (symlinks beneath the root are followed).
-/// Returns the file and its size.
+/// Returns the file and its size. A file with more than one link is refused.
 pub fn open_read(root: &Root, rel: &Path, shown: &str) -> Result<(File, u64), FsError> {
     let fd = root.open_beneath(rel, shown, OFlags::RDONLY | OFlags::NONBLOCK, Mode::empty())?;
-    let file = regular_file(fd, shown)?;
-    let size = rfs::fstat(file.as_fd())
-        .map_err(|e| FsError::from_errno("stat", shown, e))?
-        .st_size
-        .max(0) as u64;
-    Ok((file, size))
+    let (file, st) = regular_file(fd, shown)?;
+    Ok((file, st.st_size.max(0) as u64))
 }
 
-/// Opens regular file `rel` for writing as `mode` says, creating it with `perm`.
+/// Opens regular file `rel` for writing as `mode` says, creating it with `perm`. An
+/// existing file with more than one link is refused, and untouched: the open does not
+/// truncate (`O_TRUNC` would act before the link count could be checked); a truncating
+/// write truncates after the check.
 pub fn open_write(
     root: &Root,
     rel: &Path,
@@ -136,12 +143,16 @@ pub fn open_write(
 ) -> Result<File, FsError> {
     let mut flags = OFlags::WRONLY | OFlags::CREATE | OFlags::NONBLOCK;
     flags |= match mode {
-        WriteMode::Truncate => OFlags::TRUNC,
+        WriteMode::Truncate => OFlags::empty(),
         WriteMode::CreateNew => OFlags::EXCL,
         WriteMode::Append => OFlags::APPEND,
     };
     let fd = root.open_beneath(rel, shown, flags, Mode::from_raw_mode(perm & 0o7777))?;
-    regular_file(fd, shown)
+    let (file, st) = regular_file(fd, shown)?;
+    if mode == WriteMode::Truncate && st.st_size != 0 {
+        rfs::ftruncate(&file, 0).map_err(|e| FsError::from_errno("truncate", shown, e))?;
+    }
+    Ok(file)
 }
 
 /// Creates directory `rel`; with `parents`, its missing parents too, and an existing
