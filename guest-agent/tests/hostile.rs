@@ -156,3 +156,35 @@ async fn agent_texts_are_clipped() {
     assert!(kept < 128 << 10, "kept {kept} bytes of errors");
     assert!(d.hostname.unwrap().len() < 8 << 10);
 }
+
+/// Empty frames without end: `Entries { more: true }` for a listing, empty `ReadData`
+/// for a read.
+fn endless_empty_frames(m: &Message) -> Answer {
+    match m {
+        Message::List(_) => Box::new(std::iter::repeat_with(|| {
+            Entries {
+                entries: Vec::new(),
+                more: true,
+            }
+            .into()
+        })),
+        Message::Read(_) => Box::new(std::iter::repeat_with(|| ReadData::default().into())),
+        _ => Box::new(std::iter::empty()),
+    }
+}
+
+#[tokio::test]
+async fn endless_empty_frames_are_refused() {
+    let (client, _dir) = hostile(endless_empty_frames);
+    let limit = std::time::Duration::from_secs(10);
+    let e = tokio::time::timeout(limit, client.list("d"))
+        .await
+        .expect("a listing of endless empty frames kept the client looping")
+        .unwrap_err();
+    assert!(matches!(e, ClientError::Unexpected { .. }), "{e}");
+    let e = tokio::time::timeout(limit, client.read_to_vec("f", 16))
+        .await
+        .expect("a read of endless empty chunks kept the client looping")
+        .unwrap_err();
+    assert!(matches!(e, ClientError::Unexpected { .. }), "{e}");
+}

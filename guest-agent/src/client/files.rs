@@ -50,9 +50,11 @@ impl FileReader {
             Message::ReadData(d) => {
                 let n = d.data.len() as u64;
                 let got = self.received.saturating_add(n);
-                let bad = if n > MAX_CHUNK as u64 {
+                // The agent never sends an empty chunk: refusing one bounds the frames
+                // of a read by its length, not only its bytes.
+                let bad = if n == 0 || n > MAX_CHUNK as u64 {
                     Some(ClientError::Unexpected {
-                        expected: "a read chunk of at most MAX_CHUNK bytes",
+                        expected: "a read chunk of 1 to MAX_CHUNK bytes",
                         got: format!("a chunk of {n} bytes"),
                     })
                 } else if got > self.asked {
@@ -122,6 +124,14 @@ impl Client {
             let mut bytes = 0usize;
             loop {
                 match c.recv(id, limit).await? {
+                    // A batch with more to follow is never empty: refusing one bounds
+                    // the frames of a listing by its entries, not only its bytes.
+                    Message::Entries(e) if e.more && e.entries.is_empty() => {
+                        return Err(ClientError::Unexpected {
+                            expected: "a batch of entries",
+                            got: "an empty Entries with more to follow".into(),
+                        })
+                    }
                     Message::Entries(e) => {
                         // Mid-answer: with_conn drops this connection.
                         if all.len().saturating_add(e.entries.len()) > max {
