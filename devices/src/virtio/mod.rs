@@ -22,6 +22,7 @@ use crate::state::StateError;
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
 
 pub mod block;
+pub(crate) mod chain;
 pub mod mmio;
 pub mod rng;
 mod single_queue;
@@ -40,6 +41,10 @@ pub const INT_CONFIG: u32 = 0x2;
 
 /// Feature bit every device offers: the device is virtio 1.x.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+
+/// Feature bit for indirect descriptor tables. No device offers it, and descriptor
+/// chains with an indirect descriptor are refused (see `chain`).
+pub const VIRTIO_F_INDIRECT_DESC: u64 = 1 << 28;
 
 /// Most descriptor chains a device takes from one queue in one event-loop dispatch.
 /// A guest that keeps bumping the avail index would otherwise hold the dispatch (and
