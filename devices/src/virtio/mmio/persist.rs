@@ -184,7 +184,11 @@ impl Persist for MmioTransport {
                     }
                 }
             }
-            (queues, build_queues(&*dev)?, dev.interrupt().shared_status())
+            (
+                queues,
+                build_queues(&*dev)?,
+                dev.interrupt().shared_status(),
+            )
         };
         let transport = Self {
             mem,

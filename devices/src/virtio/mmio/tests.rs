@@ -540,7 +540,11 @@ fn interrupt_status_and_ack_do_not_take_the_device_lock() {
     let got = rx.recv_timeout(std::time::Duration::from_secs(2));
     drop(held);
     let t = vcpu.join().unwrap();
-    assert_eq!(got, Ok(INT_VRING), "the MMIO access waited for the device lock");
+    assert_eq!(
+        got,
+        Ok(INT_VRING),
+        "the MMIO access waited for the device lock"
+    );
     assert_eq!(lock(&dev).interrupt.status(), 0);
     drop(t);
 }

@@ -4,6 +4,7 @@
 //! data and teardown, `hostile` credit, malformed input, limits and resets.
 
 mod connections;
+mod dispatch;
 mod hostile;
 
 use crate::virtio::GuestMemoryMmap;
