@@ -64,6 +64,12 @@ impl SingleQueue {
             queue,
             acked_features,
         });
+        // Chains may already wait: after a restore, the guest's notify (or a bounded
+        // dispatch's re-kick) went to the old process's eventfd. A dispatch that finds
+        // nothing is harmless.
+        if let Err(e) = self.queue_evts[0].write(1) {
+            warn!("cannot kick a queue at activation: {e}");
+        }
         Ok(())
     }
 
