@@ -5,8 +5,8 @@ use super::*;
 use crate::virtio::MAX_CHAINS_PER_DISPATCH;
 use virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT;
 
-/// More bad buffers than one dispatch takes, but at most 128 outstanding entries
-/// (the limit for `MockSplitQueue`'s 256-entry rings, whose used ring overlaps avail
+/// More bad buffers than one dispatch takes, but at most 128 chains on a queue (the
+/// limit for `MockSplitQueue`'s 256-entry rings, whose used ring overlaps avail
 /// entries 128-255).
 const FLOOD: usize = 100;
 const _: () = assert!(FLOOD > MAX_CHAINS_PER_DISPATCH && FLOOD <= 128);
