@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use log::{debug, warn};
 use virtio_queue::{Queue, QueueT};
 
-use super::{GuestMemoryMmap, VirtioDevice, INT_CONFIG, VIRTIO_F_VERSION_1};
+use super::{GuestMemoryMmap, InterruptStatus, VirtioDevice, INT_CONFIG, VIRTIO_F_VERSION_1};
 use crate::bus::{lock, BusDevice};
 
 /// Offset of the QueueNotify register, for registering queue eventfds as KVM ioeventfds.
@@ -82,6 +82,9 @@ const STATUS_SEQUENCE: [u32; 5] = [
 pub struct MmioTransport {
     mem: GuestMemoryMmap,
     device: Arc<Mutex<dyn VirtioDevice>>,
+    /// The device's interrupt status, read and acknowledged without the device lock
+    /// (a dispatch may hold that lock while it serves a queue).
+    irq_status: InterruptStatus,
     queues: Vec<Queue>,
     status: u32,
     device_features_sel: u32,
@@ -96,7 +99,9 @@ impl MmioTransport {
     /// `queue_max_sizes()`. A queue whose maximum size is invalid (0, not a power of two,
     /// above 32768) reads as QueueNumMax 0, i.e. unavailable.
     pub fn new(mem: GuestMemoryMmap, device: Arc<Mutex<dyn VirtioDevice>>) -> Self {
-        let queues = lock(&device)
+        let dev = lock(&device);
+        let irq_status = dev.interrupt().shared_status();
+        let queues = dev
             .queue_max_sizes()
             .iter()
             .map(|&max| {
@@ -106,9 +111,11 @@ impl MmioTransport {
                 })
             })
             .collect();
+        drop(dev);
         Self {
             mem,
             device,
+            irq_status,
             queues,
             status: 0,
             device_features_sel: 0,
@@ -164,7 +171,7 @@ impl MmioTransport {
                 .queues
                 .get(self.queue_sel as usize)
                 .map_or(0, |q| u32::from(q.ready())),
-            REG_INTERRUPT_STATUS => lock(&self.device).interrupt().status(),
+            REG_INTERRUPT_STATUS => self.irq_status.get(),
             REG_STATUS => {
                 let needs_reset = lock(&self.device).needs_reset();
                 self.status | if needs_reset { DEVICE_NEEDS_RESET } else { 0 }
@@ -196,7 +203,7 @@ impl MmioTransport {
             | REG_QUEUE_DEVICE_LOW
             | REG_QUEUE_DEVICE_HIGH => self.write_queue_reg(offset, v),
             REG_QUEUE_NOTIFY => self.notify(v),
-            REG_INTERRUPT_ACK => lock(&self.device).interrupt().ack(v),
+            REG_INTERRUPT_ACK => self.irq_status.ack(v),
             REG_STATUS => self.write_status(v),
             _ => debug!("virtio-mmio: write of unknown or read-only register {offset:#x}"),
         }

@@ -8,6 +8,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
@@ -21,6 +22,7 @@ use crate::state::StateError;
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>;
 
 pub mod block;
+pub(crate) mod chain;
 pub mod mmio;
 pub mod rng;
 mod single_queue;
@@ -40,45 +42,78 @@ pub const INT_CONFIG: u32 = 0x2;
 /// Feature bit every device offers: the device is virtio 1.x.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 
+/// Feature bit for indirect descriptor tables. No device offers it, and descriptor
+/// chains with an indirect descriptor are refused (see `chain`).
+pub const VIRTIO_F_INDIRECT_DESC: u64 = 1 << 28;
+
+/// Most descriptor chains a device takes from one queue in one event-loop dispatch.
+/// A guest that keeps bumping the avail index would otherwise hold the dispatch (and
+/// the device lock) as long as it liked. A device that spends the budget with work
+/// left re-kicks itself (writes an eventfd it watches), so the event loop comes back
+/// to the queue after the other ready events.
+pub(crate) const MAX_CHAINS_PER_DISPATCH: usize = 64;
+
 /// A device's interrupt line: a status word the transport exposes, and an
 /// eventfd the VMM routes to the device's GSI with KVM irqfd.
 #[derive(Debug)]
 pub struct Interrupt {
-    status: AtomicU32,
+    status: InterruptStatus,
     evt: EventFd,
+}
+
+/// The status word of an [`Interrupt`], shared between the device and its transport:
+/// the driver's InterruptStatus reads and InterruptACK writes use it without the
+/// device lock, so they never wait behind a dispatch that holds it.
+#[derive(Debug, Clone, Default)]
+pub struct InterruptStatus(Arc<AtomicU32>);
+
+impl InterruptStatus {
+    pub fn get(&self) -> u32 {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// The guest acknowledged these bits.
+    pub fn ack(&self, bits: u32) {
+        self.0.fetch_and(!bits, Ordering::SeqCst);
+    }
 }
 
 impl Interrupt {
     pub fn new() -> io::Result<Self> {
         Ok(Self {
-            status: AtomicU32::new(0),
+            status: InterruptStatus::default(),
             evt: EventFd::new(EFD_NONBLOCK)?,
         })
     }
 
     /// Sets `kind` (`INT_VRING` or `INT_CONFIG`) in the status and raises the line.
     pub fn trigger(&self, kind: u32) -> io::Result<()> {
-        self.status.fetch_or(kind, Ordering::SeqCst);
+        self.status.0.fetch_or(kind, Ordering::SeqCst);
         self.evt.write(1)
     }
 
     pub fn status(&self) -> u32 {
-        self.status.load(Ordering::SeqCst)
+        self.status.get()
+    }
+
+    /// A handle on the status word, for the transport.
+    pub fn shared_status(&self) -> InterruptStatus {
+        self.status.clone()
     }
 
     /// The guest acknowledged these bits.
     pub fn ack(&self, bits: u32) {
-        self.status.fetch_and(!bits, Ordering::SeqCst);
+        self.status.ack(bits);
     }
 
     pub fn clear(&self) {
-        self.status.store(0, Ordering::SeqCst);
+        self.status.0.store(0, Ordering::SeqCst);
     }
 
     /// Restores a saved status; a non-zero one raises the line once more (the guest
     /// may not have seen it before the snapshot; a spurious interrupt is harmless).
     pub fn restore_status(&self, bits: u32) -> io::Result<()> {
-        self.status.store(bits, Ordering::SeqCst);
+        self.status.0.store(bits, Ordering::SeqCst);
         if bits != 0 {
             self.evt.write(1)?;
         }

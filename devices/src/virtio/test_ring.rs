@@ -4,6 +4,7 @@
 //! restored VM does).
 
 use virtio_queue::desc::RawDescriptor;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::GuestMemoryMmap;
@@ -33,6 +34,20 @@ impl Ring {
     /// (size, desc, avail, used), as `MmioTransport::drive_to_driver_ok` takes them.
     pub fn transport_queue(&self) -> (u16, u64, u64, u64) {
         (self.size, self.desc, self.avail, self.used)
+    }
+
+    /// A ready queue over these rings, as a transport hands it to a device.
+    pub fn queue(&self) -> Queue {
+        let mut q = Queue::new(self.size).unwrap();
+        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+        let (lo, hi) = split(self.desc);
+        q.set_desc_table_address(lo, hi);
+        let (lo, hi) = split(self.avail);
+        q.set_avail_ring_address(lo, hi);
+        let (lo, hi) = split(self.used);
+        q.set_used_ring_address(lo, hi);
+        q.set_ready(true);
+        q
     }
 
     fn read_u16(mem: &GuestMemoryMmap, at: u64) -> u16 {

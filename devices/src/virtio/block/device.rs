@@ -3,11 +3,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use log::warn;
 use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
 };
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::backend::{DiskBackend, FileDisk};
@@ -16,8 +15,8 @@ use super::request::{self, DiskInfo};
 use super::{BlockError, ID_BYTES, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SIZE_MAX};
 use crate::virtio::single_queue::SingleQueue;
 use crate::virtio::{
-    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
-    INT_VRING, TYPE_BLOCK, VIRTIO_F_VERSION_1,
+    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, TYPE_BLOCK,
+    VIRTIO_F_VERSION_1,
 };
 
 /// Config space: capacity (u64 sectors) at 0, size_max (u32) at 8, seg_max (u32) at 12.
@@ -129,65 +128,30 @@ impl Block {
         self.q.active.as_ref().map(|a| a.acked_features)
     }
 
-    /// Serves every available request, then raises INT_VRING if any completed.
-    /// Returns how many chains went to the used ring.
+    /// Serves available requests, at most [`MAX_CHAINS_PER_DISPATCH`] per call (with
+    /// more left, the queue's eventfd is written again so the event loop comes back),
+    /// then raises INT_VRING if any completed. Returns how many chains went to the
+    /// used ring.
     ///
     /// Does nothing before activation, on a queue the driver left unready, or once the
     /// queue is broken. A broken queue (avail index ahead by more than the queue size,
     /// a head index outside the table, a used ring that cannot be written) sets
     /// DEVICE_NEEDS_RESET, raises INT_CONFIG and returns [`BlockError::QueueBroken`].
+    ///
+    /// [`MAX_CHAINS_PER_DISPATCH`]: crate::virtio::MAX_CHAINS_PER_DISPATCH
     pub fn process_queue(&mut self) -> Result<usize, BlockError> {
-        if self.q.needs_reset {
-            return Ok(0);
-        }
-        let Some(active) = self.q.active.as_mut() else {
-            return Ok(0);
-        };
-        if !active.queue.ready() {
-            return Ok(0);
-        }
-        let mem = &active.mem;
         let info = DiskInfo {
             read_only: self.read_only,
             capacity_bytes: self.capacity_bytes,
             id: &self.id,
         };
-        let mut used = 0usize;
-        let result = loop {
-            let chain = match active.queue.iter(mem) {
-                Ok(mut avail) => avail.next(),
-                Err(e) => break Err(e),
-            };
-            let Some(chain) = chain else {
-                break Ok(());
-            };
-            let head = chain.head_index();
-            let len = request::serve(chain, mem, self.disk.as_mut(), &info, &mut self.buf);
-            if let Err(e) = active.queue.add_used(mem, head, len) {
-                break Err(e);
-            }
-            used += 1;
-        };
-        // Without EVENT_IDX this is always true; it also honours nothing else, so a
-        // failure to read the ring just means "notify".
-        if used > 0 && active.queue.needs_notification(mem).unwrap_or(true) {
-            self.signal(INT_VRING);
-        }
-        match result {
-            Ok(()) => Ok(used),
-            Err(e) => {
-                warn!("virtio-blk: request queue broken: {e}");
-                self.q.needs_reset = true;
-                self.signal(INT_CONFIG);
-                Err(BlockError::QueueBroken(e))
-            }
-        }
-    }
-
-    fn signal(&self, kind: u32) {
-        if let Err(e) = self.q.interrupt.trigger(kind) {
-            warn!("virtio-blk: cannot raise interrupt: {e}");
-        }
+        let disk = self.disk.as_mut();
+        let buf = &mut self.buf;
+        self.q
+            .serve("virtio-blk", |chain, table, mem| {
+                request::serve(chain, table, mem, disk, &info, buf)
+            })
+            .map_err(BlockError::QueueBroken)
     }
 
     pub(super) fn queue_event(&self, idx: usize) -> Option<&EventFd> {
@@ -261,7 +225,9 @@ impl VirtioDevice for Block {
 mod tests {
     use super::super::test_utils::*;
     use super::*;
+    use crate::virtio::{INT_CONFIG, INT_VRING};
     use virtio_bindings::bindings::virtio_blk::*;
+    use virtio_queue::QueueT;
     use vm_memory::{Bytes, GuestAddress};
 
     const CAP_SECTORS: u64 = 64;

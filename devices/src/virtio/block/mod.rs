@@ -99,6 +99,8 @@ mod test_utils {
     pub const STATUS: u64 = 0x4100;
     pub const DATA: u64 = 0x8000;
 
+    /// virtio-queue's mock rings. With 256 entries its used ring overlaps avail entries
+    /// 128-255: a test that offers more than 128 chains uses `test_ring::Ring`.
     pub type MockQueue<'a> = MockSplitQueue<'a, GuestMemoryMmap>;
 
     pub fn new_block(img: &TempImage, read_only: bool, id: &str) -> Block {

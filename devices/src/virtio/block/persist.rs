@@ -249,6 +249,13 @@ mod tests {
         )
         .unwrap();
         assert!(lock(&b2).is_activated());
+        // The guest notified the old process's eventfd (or a bounded dispatch left
+        // work for its re-kick): activation kicks the new one, or the pending request
+        // would wait for the guest's next notify.
+        assert!(
+            lock(&b2).queue_events()[0].read().is_ok(),
+            "activation did not kick the queue"
+        );
 
         // Exactly the pending request is served, on the new memory.
         assert_eq!(lock(&b2).process_queue().unwrap(), 1);

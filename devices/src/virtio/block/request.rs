@@ -6,9 +6,11 @@
 //! of at least one byte whose first byte receives the status.
 //!
 //! A chain whose status byte cannot be written (no writable last descriptor, the status
-//! outside guest RAM, a chain cut short by a loop or a bad `next`) is returned with used
+//! outside guest RAM, a chain cut short by a loop or a bad `next`, an indirect
+//! descriptor: VIRTIO_F_INDIRECT_DESC is never offered) is returned with used
 //! length 0. Any other fault answers IOERR; an unknown request type answers UNSUPP.
 
+use crate::virtio::chain::{self, Table};
 use crate::virtio::GuestMemoryMmap;
 use log::debug;
 use virtio_bindings::bindings::virtio_blk::{
@@ -44,17 +46,6 @@ fn ioerr(why: &'static str) -> Reject {
     }
 }
 
-/// Collects the chain's descriptors. `None` if it is empty or cut short (the last one
-/// still points on: a loop, a `next` out of the table, an unreadable descriptor).
-/// The length is bounded by the queue (or indirect table) size.
-pub(crate) fn collect_chain(chain: DescriptorChain<&GuestMemoryMmap>) -> Option<Vec<Descriptor>> {
-    let descs: Vec<Descriptor> = chain.collect();
-    match descs.last() {
-        Some(last) if !last.has_next() => Some(descs),
-        _ => None,
-    }
-}
-
 /// Is `[addr, addr+len)` inside guest RAM?
 fn in_ram(mem: &GuestMemoryMmap, addr: GuestAddress, len: u32) -> bool {
     GuestMemoryBackend::check_range(mem, addr, len as usize)
@@ -64,15 +55,19 @@ fn in_ram(mem: &GuestMemoryMmap, addr: GuestAddress, len: u32) -> bool {
 /// descriptors (the used length).
 pub(super) fn serve(
     chain: DescriptorChain<&GuestMemoryMmap>,
+    table: Table,
     mem: &GuestMemoryMmap,
     disk: &mut dyn DiskBackend,
     info: &DiskInfo<'_>,
     buf: &mut Vec<u8>,
 ) -> u32 {
     let head = chain.head_index();
-    let Some(descs) = collect_chain(chain) else {
-        debug!("virtio-blk: chain {head} is empty or does not end");
-        return 0;
+    let descs = match chain::descriptors(&chain, table) {
+        Ok(descs) => descs,
+        Err(e) => {
+            debug!("virtio-blk: chain {head} refused: {e}");
+            return 0;
+        }
     };
     let Some((status_desc, rest)) = descs.split_last() else {
         return 0;
@@ -265,7 +260,9 @@ mod tests {
     use super::super::{Block, QUEUE_SIZE};
     use super::*;
     use crate::virtio::VirtioDevice;
-    use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_bindings::bindings::virtio_ring::{
+        VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+    };
     use virtio_queue::desc::RawDescriptor;
 
     fn check(descs: &[D], kind: u32, expect: (u32, Option<u32>)) {
@@ -411,6 +408,51 @@ mod tests {
         // `next` beyond the table.
         let dangling = [desc(HDR, 16, next, 1), desc(STATUS, 1, next | write, 999)];
         assert_eq!(run_raw(&mut b, &vq, &dangling), (0, 0));
+        assert!(!b.needs_reset());
+        assert_ok_after(&mut b, &mem, &vq);
+    }
+
+    /// VIRTIO_F_INDIRECT_DESC is never offered, so a chain with an indirect descriptor
+    /// fails its request (like a loop does) instead of carrying up to 65,535
+    /// descriptors from a guest-chosen table.
+    #[test]
+    fn indirect_descriptors_are_refused() {
+        let img = TempImage::new(&[0x5a; 8192]);
+        let mem = guest_memory();
+        let vq = MockQueue::new(&mem, QUEUE_SIZE);
+        let mut b = new_block(&img, false, "");
+        activate(&mut b, &mem, &vq);
+        assert_eq!(
+            b.avail_features() & crate::virtio::VIRTIO_F_INDIRECT_DESC,
+            0,
+            "INDIRECT_DESC offered"
+        );
+        header(&mem, HDR, VIRTIO_BLK_T_IN, 0);
+        let indirect = VRING_DESC_F_INDIRECT as u16;
+        let next = VRING_DESC_F_NEXT as u16;
+        let desc =
+            |addr, len, flags, next| RawDescriptor::from(Descriptor::new(addr, len, flags, next));
+        let put = |at: u64, descs: &[RawDescriptor]| {
+            for (i, d) in descs.iter().enumerate() {
+                mem.write_obj(*d, GuestAddress(at + 16 * i as u64)).unwrap();
+            }
+        };
+        // A whole, well-formed request behind one indirect descriptor.
+        let table = DATA + 0x1_0000;
+        let whole = [D(HDR, 16, false), D(DATA, 512, true), D(STATUS, 1, true)];
+        put(table, &chain(&whole, 0));
+        mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+        assert_eq!(
+            run_raw(&mut b, &vq, &[desc(table, 48, indirect, 0)]),
+            (0, 0)
+        );
+        assert_eq!(status(&mem), 0xff, "status byte untouched");
+        // The data and status behind an indirect descriptor after a direct header.
+        let tail_table = table + 0x100;
+        put(tail_table, &chain(&whole[1..], 0));
+        let mixed = [desc(HDR, 16, next, 1), desc(tail_table, 32, indirect, 0)];
+        assert_eq!(run_raw(&mut b, &vq, &mixed), (0, 0));
+        assert_eq!(status(&mem), 0xff, "status byte untouched");
         assert!(!b.needs_reset());
         assert_ok_after(&mut b, &mem, &vq);
     }

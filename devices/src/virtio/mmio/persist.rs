@@ -170,7 +170,7 @@ impl Persist for MmioTransport {
                 .map(|(i, (q, &max))| q.to_queue(i, max))
                 .collect::<Result<Vec<_>, _>>()
         };
-        let (queues, device_queues) = {
+        let (queues, device_queues, irq_status) = {
             let dev = lock(&device);
             check_against_device(&*dev, state)?;
             let queues = build_queues(&*dev)?;
@@ -184,11 +184,16 @@ impl Persist for MmioTransport {
                     }
                 }
             }
-            (queues, build_queues(&*dev)?)
+            (
+                queues,
+                build_queues(&*dev)?,
+                dev.interrupt().shared_status(),
+            )
         };
         let transport = Self {
             mem,
             device,
+            irq_status,
             queues,
             status: state.status,
             device_features_sel: state.device_features_sel,

@@ -522,3 +522,29 @@ impl MmioTransport {
         assert_eq!(rd(self, REG_STATUS), ALL_OK, "device activated");
     }
 }
+
+/// A dispatch holds the device lock for as long as it serves the queue: the driver's
+/// interrupt handler (read InterruptStatus, write InterruptACK) must not wait for it.
+#[test]
+fn interrupt_status_and_ack_do_not_take_the_device_lock() {
+    let (mut t, dev, _) = setup();
+    lock(&dev).interrupt.trigger(INT_VRING).unwrap();
+    let held = lock(&dev);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let vcpu = std::thread::spawn(move || {
+        let status = rd(&mut t, REG_INTERRUPT_STATUS);
+        wr(&mut t, REG_INTERRUPT_ACK, status);
+        let _ = tx.send(status);
+        t
+    });
+    let got = rx.recv_timeout(std::time::Duration::from_secs(2));
+    drop(held);
+    let t = vcpu.join().unwrap();
+    assert_eq!(
+        got,
+        Ok(INT_VRING),
+        "the MMIO access waited for the device lock"
+    );
+    assert_eq!(lock(&dev).interrupt.status(), 0);
+    drop(t);
+}

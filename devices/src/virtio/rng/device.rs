@@ -4,16 +4,16 @@ use std::fs::File;
 use std::io::Read;
 
 use log::{debug, warn};
-use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, Queue};
 use vm_memory::{Bytes, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{RngError, ENTROPY_SOURCE, MAX_CHAIN_BYTES, QUEUE_SIZE};
+use crate::virtio::chain::{self, Table};
 use crate::virtio::single_queue::SingleQueue;
 use crate::virtio::{
-    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_CONFIG,
-    INT_VRING, TYPE_RNG, VIRTIO_F_VERSION_1,
+    ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, TYPE_RNG,
+    VIRTIO_F_VERSION_1,
 };
 
 /// What the device holds between DRIVER_OK and reset.
@@ -34,75 +34,44 @@ impl Rng {
         })
     }
 
-    /// Fills every available chain, then raises INT_VRING if any completed. Returns how
-    /// many chains went to the used ring.
+    /// Fills available chains, at most [`MAX_CHAINS_PER_DISPATCH`] per call (with more
+    /// left, the queue's eventfd is written again so the event loop comes back), then
+    /// raises INT_VRING if any completed. Returns how many chains went to the used ring.
     ///
     /// Does nothing before activation, on a queue the driver left unready, or once the
     /// queue is broken. A broken queue sets DEVICE_NEEDS_RESET, raises INT_CONFIG and
     /// returns [`RngError::QueueBroken`].
+    ///
+    /// [`MAX_CHAINS_PER_DISPATCH`]: crate::virtio::MAX_CHAINS_PER_DISPATCH
     pub fn process_queue(&mut self) -> Result<usize, RngError> {
-        if self.q.needs_reset {
-            return Ok(0);
-        }
-        let Some(active) = self.q.active.as_mut() else {
-            return Ok(0);
-        };
-        if !active.queue.ready() {
-            return Ok(0);
-        }
-        let mem = &active.mem;
-        let mut used = 0usize;
-        let result = loop {
-            let chain = match active.queue.iter(mem) {
-                Ok(mut avail) => avail.next(),
-                Err(e) => break Err(e),
-            };
-            let Some(chain) = chain else {
-                break Ok(());
-            };
-            let head = chain.head_index();
-            let len = fill_chain(chain, mem, &mut self.source, &mut self.buf);
-            if let Err(e) = active.queue.add_used(mem, head, len) {
-                break Err(e);
-            }
-            used += 1;
-        };
-        if used > 0 && active.queue.needs_notification(mem).unwrap_or(true) {
-            self.signal(INT_VRING);
-        }
-        match result {
-            Ok(()) => Ok(used),
-            Err(e) => {
-                warn!("virtio-rng: request queue broken: {e}");
-                self.q.needs_reset = true;
-                self.signal(INT_CONFIG);
-                Err(RngError::QueueBroken(e))
-            }
-        }
-    }
-
-    fn signal(&self, kind: u32) {
-        if let Err(e) = self.q.interrupt.trigger(kind) {
-            warn!("virtio-rng: cannot raise interrupt: {e}");
-        }
+        let source = &mut self.source;
+        let buf = &mut self.buf;
+        self.q
+            .serve("virtio-rng", |chain, table, mem| {
+                fill_chain(chain, table, mem, source, buf)
+            })
+            .map_err(RngError::QueueBroken)
     }
 }
 
 /// Fills a chain's buffers, up to MAX_CHAIN_BYTES; returns the bytes written. A chain
-/// that is cut short, has a device-readable descriptor or a buffer outside guest RAM
-/// gets nothing.
+/// that is cut short, has an indirect descriptor (VIRTIO_F_INDIRECT_DESC is never
+/// offered), a device-readable descriptor or a buffer outside guest RAM gets nothing.
 fn fill_chain(
     chain: DescriptorChain<&GuestMemoryMmap>,
+    table: Table,
     mem: &GuestMemoryMmap,
     source: &mut File,
     buf: &mut Vec<u8>,
 ) -> u32 {
     let head = chain.head_index();
-    let descs: Vec<Descriptor> = chain.collect();
-    if descs.last().is_none_or(|d| d.has_next()) {
-        debug!("virtio-rng: chain {head} is empty or does not end");
-        return 0;
-    }
+    let descs = match chain::descriptors(&chain, table) {
+        Ok(descs) => descs,
+        Err(e) => {
+            debug!("virtio-rng: chain {head} refused: {e}");
+            return 0;
+        }
+    };
     let bad = descs.iter().any(|d| {
         !d.is_write_only() || !GuestMemoryBackend::check_range(mem, d.addr(), d.len() as usize)
     });
@@ -191,9 +160,14 @@ impl VirtioDevice for Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use virtio_bindings::bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
-    use virtio_queue::desc::RawDescriptor;
+    use crate::virtio::test_ring::Ring;
+    use crate::virtio::{INT_CONFIG, INT_VRING, MAX_CHAINS_PER_DISPATCH};
+    use virtio_bindings::bindings::virtio_ring::{
+        VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+    };
+    use virtio_queue::desc::{split::Descriptor, RawDescriptor};
     use virtio_queue::mock::MockSplitQueue;
+    use virtio_queue::QueueT;
     use vm_memory::GuestAddress;
 
     const RAM: u64 = 0x4_0000;
@@ -333,5 +307,57 @@ mod tests {
         assert_eq!(rng.process_queue().unwrap(), 0);
         rng.reset();
         assert!(!rng.needs_reset() && !rng.is_activated());
+    }
+
+    /// VIRTIO_F_INDIRECT_DESC is never offered: a chain with an indirect descriptor
+    /// gets nothing, however good the table behind it.
+    #[test]
+    fn indirect_chains_get_nothing() {
+        let mem = guest_memory();
+        let (mut rng, vq) = setup(&mem);
+        let table = BUF + 0x1_0000;
+        mem.write_obj(desc(BUF, 64, W, 0), GuestAddress(table))
+            .unwrap();
+        let indirect = VRING_DESC_F_INDIRECT as u16;
+        assert_eq!(run(&mut rng, &vq, &[desc(table, 16, indirect, 0)]), 0);
+        // Behind a direct descriptor too.
+        let mixed = [desc(BUF + 64, 64, W | N, 1), desc(table, 16, indirect, 0)];
+        assert_eq!(run(&mut rng, &vq, &mixed), 0);
+        assert_eq!(
+            read(&mem, BUF, 128),
+            vec![0u8; 128],
+            "a refused chain was filled"
+        );
+        assert!(!rng.needs_reset());
+        assert_eq!(run(&mut rng, &vq, &[desc(BUF, 64, W, 0)]), 64);
+    }
+
+    /// One dispatch fills at most the budget and re-kicks the queue with work left.
+    #[test]
+    fn dispatch_is_bounded_and_rekicks_with_work_left() {
+        let mem = guest_memory();
+        // More than 128 outstanding entries: the Ring helper, not MockSplitQueue.
+        let ring = Ring::at(0, QUEUE_SIZE);
+        let mut rng = Rng::new().unwrap();
+        rng.activate(mem.clone(), VIRTIO_F_VERSION_1, vec![ring.queue()])
+            .unwrap();
+        let pending = 200;
+        for _ in 0..pending {
+            ring.offer(&mem, &[desc(BUF, 16, W, 0)], 0);
+        }
+        let mut dispatches = Vec::new();
+        loop {
+            let served = rng.process_queue().unwrap();
+            let rekicked = rng.queue_events()[0].read().is_ok();
+            dispatches.push((served, rekicked));
+            if !rekicked || dispatches.len() > pending {
+                break;
+            }
+        }
+        let full = pending / MAX_CHAINS_PER_DISPATCH;
+        let mut expected = vec![(MAX_CHAINS_PER_DISPATCH, true); full];
+        expected.push((pending % MAX_CHAINS_PER_DISPATCH, false));
+        assert_eq!(dispatches, expected);
+        assert_eq!(ring.used(&mem).len(), pending);
     }
 }

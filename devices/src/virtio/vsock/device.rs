@@ -14,9 +14,10 @@ use vmm_sys_util::timerfd::TimerFd;
 use super::muxer::Muxer;
 use super::packet::{self, WritableChain, EVENT_TRANSPORT_RESET, HDR_SIZE};
 use super::{VsockError, MAX_PKT_DATA, QUEUE_SIZE};
+use crate::virtio::chain::Table;
 use crate::virtio::{
     ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_VRING,
-    TYPE_VSOCK, VIRTIO_F_VERSION_1,
+    MAX_CHAINS_PER_DISPATCH, TYPE_VSOCK, VIRTIO_F_VERSION_1,
 };
 
 pub(super) const RXQ: usize = 0;
@@ -225,11 +226,12 @@ impl Vsock {
             let Some(a) = self.active.as_mut() else {
                 break;
             };
+            let table = Table::of(&a.queues[TXQ]);
             let Some(chain) = a.queues[TXQ].pop_descriptor_chain(&a.mem) else {
                 return notify;
             };
             let head = chain.head_index();
-            match packet::read_tx(chain) {
+            match packet::read_tx(chain, table) {
                 Ok(p) => self.muxer.handle_tx(&p.hdr, &p.data),
                 Err(e) => {
                     debug!("vsock: bad tx packet: {e}");
@@ -248,21 +250,30 @@ impl Vsock {
         notify
     }
 
-    /// Fills the driver's rx buffers with pending packets; true if an interrupt is due.
+    /// Fills the driver's rx buffers with pending packets, at most
+    /// [`MAX_CHAINS_PER_DISPATCH`] of them (then the device kicks itself for the rest);
+    /// true if an interrupt is due.
     fn process_rx(&mut self) -> bool {
         if !self.muxer.has_rx() || !self.queue_usable(RXQ) {
             return false;
         }
         let mut notify = false;
+        let mut taken = 0;
         while self.muxer.has_rx() && !self.needs_reset {
+            if taken == MAX_CHAINS_PER_DISPATCH {
+                self.wake();
+                break;
+            }
             let Some(a) = self.active.as_mut() else {
                 break;
             };
+            let table = Table::of(&a.queues[RXQ]);
             let Some(chain) = a.queues[RXQ].pop_descriptor_chain(&a.mem) else {
                 break;
             };
+            taken += 1;
             let head = chain.head_index();
-            let buf = match WritableChain::new(chain, HDR_SIZE) {
+            let buf = match WritableChain::new(chain, table, HDR_SIZE) {
                 Ok(b) => b,
                 Err(e) => {
                     debug!("vsock: bad rx buffer: {e}");
@@ -309,22 +320,31 @@ impl Vsock {
         }
     }
 
-    /// Delivers a pending transport-reset event; true if an interrupt is due.
+    /// Delivers a pending transport-reset event, skipping at most
+    /// [`MAX_CHAINS_PER_DISPATCH`] bad buffers (then the device kicks itself for the
+    /// rest); true if an interrupt is due.
     fn process_evt(&mut self) -> bool {
         if !self.reset_event_pending || !self.queue_usable(EVQ) {
             return false;
         }
         let mut notify = false;
+        let mut taken = 0;
         while self.reset_event_pending && !self.needs_reset {
+            if taken == MAX_CHAINS_PER_DISPATCH {
+                self.wake();
+                break;
+            }
             let Some(a) = self.active.as_mut() else {
                 break;
             };
+            let table = Table::of(&a.queues[EVQ]);
             let Some(chain) = a.queues[EVQ].pop_descriptor_chain(&a.mem) else {
                 break;
             };
+            taken += 1;
             let head = chain.head_index();
             let id = EVENT_TRANSPORT_RESET.to_le_bytes();
-            let len = match WritableChain::new(chain, id.len()) {
+            let len = match WritableChain::new(chain, table, id.len()) {
                 Ok(buf) => match buf.write(&a.mem, &[&id]) {
                     Ok(n) => {
                         self.reset_event_pending = false;

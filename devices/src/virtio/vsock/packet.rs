@@ -3,7 +3,10 @@
 //! A tx chain (driver to device) must be all device-readable: the 44-byte header, then
 //! exactly `len` data bytes, split across descriptors any way the driver likes. An rx
 //! chain (device to driver) must be all device-writable and hold at least a header.
+//! Chains are walked with [`chain::descriptors`]: no indirect descriptors, at most the
+//! queue size of them.
 
+use crate::virtio::chain::{self, ChainError, Table};
 use crate::virtio::GuestMemoryMmap;
 use virtio_queue::DescriptorChain;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
@@ -34,6 +37,8 @@ pub const EVENT_TRANSPORT_RESET: u32 = 0;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PacketError {
+    #[error("Descriptor chain refused")]
+    Chain(#[from] ChainError),
     #[error("Descriptor chain has a buffer of the wrong direction")]
     WrongDirection,
     #[error("Descriptor chain buffer is outside guest memory")]
@@ -138,6 +143,7 @@ struct Region {
 /// returns the buffers and the total length of the whole chain.
 fn regions(
     chain: DescriptorChain<&GuestMemoryMmap>,
+    table: Table,
     writable: bool,
     limit: usize,
 ) -> Result<(Vec<Region>, u64), PacketError> {
@@ -145,7 +151,7 @@ fn regions(
     let mut out = Vec::new();
     let mut covered = 0usize;
     let mut total = 0u64;
-    for desc in chain.clone() {
+    for desc in chain::descriptors(&chain, table)? {
         if desc.is_write_only() != writable {
             return Err(PacketError::WrongDirection);
         }
@@ -202,10 +208,13 @@ fn read_regions(
 
 /// Reads and checks the packet in a tx chain. The header must be complete, `len` at
 /// most [`MAX_PKT_DATA`] and equal to the data bytes the chain holds.
-pub fn read_tx(chain: DescriptorChain<&GuestMemoryMmap>) -> Result<TxPacket, PacketError> {
+pub fn read_tx(
+    chain: DescriptorChain<&GuestMemoryMmap>,
+    table: Table,
+) -> Result<TxPacket, PacketError> {
     let mem = chain.memory();
     let limit = HDR_SIZE + MAX_PKT_DATA as usize;
-    let (regions, total) = regions(chain.clone(), false, limit)?;
+    let (regions, total) = regions(chain.clone(), table, false, limit)?;
     if total < HDR_SIZE as u64 {
         return Err(PacketError::TooShort(total as usize));
     }
@@ -234,8 +243,12 @@ pub struct WritableChain {
 impl WritableChain {
     /// Checks `chain`: every buffer device-writable and inside guest memory, at least
     /// `min` bytes in all. Capacity beyond a header and [`MAX_PKT_DATA`] is not used.
-    pub fn new(chain: DescriptorChain<&GuestMemoryMmap>, min: usize) -> Result<Self, PacketError> {
-        let (regions, _) = regions(chain, true, HDR_SIZE + MAX_PKT_DATA as usize)?;
+    pub fn new(
+        chain: DescriptorChain<&GuestMemoryMmap>,
+        table: Table,
+        min: usize,
+    ) -> Result<Self, PacketError> {
+        let (regions, _) = regions(chain, table, true, HDR_SIZE + MAX_PKT_DATA as usize)?;
         let cap = regions.iter().map(|r| r.len).sum();
         if cap < min {
             return Err(PacketError::TooShort(cap));
@@ -306,13 +319,14 @@ mod tests {
     fn with_chain<R>(
         m: &GuestMemoryMmap,
         descs: &[RawDescriptor],
-        f: impl FnOnce(DescriptorChain<&GuestMemoryMmap>) -> R,
+        f: impl FnOnce(DescriptorChain<&GuestMemoryMmap>, Table) -> R,
     ) -> R {
         let vq = MockSplitQueue::new(m, 16);
         vq.add_desc_chains(descs, 0).unwrap();
         let mut q: Queue = vq.create_queue().unwrap();
+        let table = Table::of(&q);
         let chain = q.iter(m).unwrap().next().unwrap();
-        f(chain)
+        f(chain, table)
     }
 
     fn hdr(len: u32) -> Header {
@@ -396,12 +410,21 @@ mod tests {
             .unwrap();
         let descs = [
             desc(0x1_0000, 44, false, Some(1)),
-            desc(0x2_0000, u32::MAX, false, None),
+            desc(0x2_0000, 100, false, None),
         ];
         let e = with_chain(&m, &descs, read_tx).unwrap_err();
         assert!(matches!(e, PacketError::DataTooLong(_)));
-        // A descriptor that loops to itself: bounded by the queue size, then the
-        // length check fails.
+        // A chain of more than 4 GiB is refused before its header is looked at.
+        let descs = [
+            desc(0x1_0000, 44, false, Some(1)),
+            desc(0x2_0000, u32::MAX, false, None),
+        ];
+        assert_eq!(
+            with_chain(&m, &descs, read_tx).unwrap_err(),
+            PacketError::Chain(ChainError::TooLarge)
+        );
+        // A descriptor that loops to itself: refused once the walk reaches the queue
+        // size.
         m.write_slice(&hdr(100).to_bytes(), GuestAddress(0x1_0000))
             .unwrap();
         let descs = [
@@ -411,11 +434,12 @@ mod tests {
         let vq = MockSplitQueue::new(&m, 16);
         vq.add_desc_chains(&descs, 0).unwrap();
         let mut q: Queue = vq.create_queue().unwrap();
+        let table = Table::of(&q);
         let chain = q.iter(&m).unwrap().next().unwrap();
-        assert!(matches!(
-            read_tx(chain).unwrap_err(),
-            PacketError::LenMismatch { .. }
-        ));
+        assert_eq!(
+            read_tx(chain, table).unwrap_err(),
+            PacketError::Chain(ChainError::TooLong)
+        );
     }
 
     #[test]
@@ -425,7 +449,7 @@ mod tests {
             desc(0x1_0000, 10, true, Some(1)),
             desc(0x2_0000, 100, true, None),
         ];
-        let w = with_chain(&m, &descs, |c| WritableChain::new(c, HDR_SIZE)).unwrap();
+        let w = with_chain(&m, &descs, |c, t| WritableChain::new(c, t, HDR_SIZE)).unwrap();
         assert_eq!(w.data_capacity(), 110 - HDR_SIZE);
         let h = hdr(3).to_bytes();
         assert_eq!(w.write(&m, &[&h, b"xyz"]).unwrap(), 47);
@@ -440,17 +464,17 @@ mod tests {
 
         let short = [desc(0x1_0000, 20, true, None)];
         assert_eq!(
-            with_chain(&m, &short, |c| WritableChain::new(c, HDR_SIZE)).unwrap_err(),
+            with_chain(&m, &short, |c, t| WritableChain::new(c, t, HDR_SIZE)).unwrap_err(),
             PacketError::TooShort(20)
         );
         let readable = [desc(0x1_0000, 64, false, None)];
         assert_eq!(
-            with_chain(&m, &readable, |c| WritableChain::new(c, HDR_SIZE)).unwrap_err(),
+            with_chain(&m, &readable, |c, t| WritableChain::new(c, t, HDR_SIZE)).unwrap_err(),
             PacketError::WrongDirection
         );
         let outside = [desc(RAM + 0x1000, 64, true, None)];
         assert_eq!(
-            with_chain(&m, &outside, |c| WritableChain::new(c, HDR_SIZE)).unwrap_err(),
+            with_chain(&m, &outside, |c, t| WritableChain::new(c, t, HDR_SIZE)).unwrap_err(),
             PacketError::OutsideMemory
         );
     }
