@@ -173,7 +173,11 @@ for k in $(cat /tmp/kids /tmp/grandkid); do sprout vm ctl --api-sock $k stop || 
     let machines = out.values("machine:");
     assert_eq!(machines.len(), 4, "{o}");
     assert!(machines.iter().all(|m| m.len() == 32), "{machines:?}");
-    assert_eq!(machines.iter().collect::<HashSet<_>>().len(), 4, "{machines:?}");
+    assert_eq!(
+        machines.iter().collect::<HashSet<_>>().len(),
+        4,
+        "{machines:?}"
+    );
     let mut pids = out.values("child-pid:");
     assert_eq!(pids.len(), 3, "{o}");
     pids.extend(out.values("parent-pid:"));

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
 use vmm_sys_util::epoll::EventSet;
@@ -108,7 +108,8 @@ impl MutEventSubscriber for StdinToSerial {
 pub struct EventLoop {
     stop_evt: EventFd,
     park_evt: EventFd,
-    release: Sender<()>,
+    /// `None` once stopping: the parker's `recv` then fails at once.
+    release: Option<Sender<()>>,
     parked_ack: Receiver<()>,
     parked: bool,
     thread: Option<JoinHandle<()>>,
@@ -148,7 +149,7 @@ impl EventLoop {
         Ok(Self {
             stop_evt,
             park_evt,
-            release,
+            release: Some(release),
             parked_ack,
             parked: false,
             thread: Some(thread),
@@ -172,22 +173,50 @@ impl EventLoop {
 
     pub fn resume(&mut self) {
         if self.parked {
-            let _ = self.release.send(());
+            if let Some(r) = &self.release {
+                let _ = r.send(());
+            }
             self.parked = false;
         }
     }
 
-    pub fn stop(&mut self) {
+    /// Asks the loop to end without waiting ([`EventLoop::join_until`]
+    /// collects it). Also closes the park release: a park that came too late
+    /// for a timed-out [`EventLoop::pause`] then never blocks the thread.
+    pub fn request_stop(&mut self) {
         self.resume();
-        if let Some(t) = self.thread.take() {
+        self.release = None;
+        if self.thread.is_some() {
             let _ = self.stop_evt.write(1);
-            let _ = t.join();
         }
+    }
+
+    /// Joins the loop thread if it ends by `deadline`; otherwise detaches it
+    /// (a device dispatch that never returns) and returns false.
+    pub fn join_until(&mut self, deadline: Instant) -> bool {
+        let Some(t) = self.thread.take() else {
+            return true;
+        };
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                log::error!("the device event loop did not exit in time: abandoning it");
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = t.join();
+        true
+    }
+
+    /// Ends the loop and joins it, giving up after five seconds.
+    pub fn stop(&mut self) -> bool {
+        self.request_stop();
+        self.join_until(Instant::now() + Duration::from_secs(5))
     }
 }
 
 impl Drop for EventLoop {
     fn drop(&mut self) {
-        self.stop();
+        let _ = self.stop();
     }
 }

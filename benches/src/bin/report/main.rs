@@ -40,7 +40,11 @@ fn main() -> anyhow::Result<()> {
     let what = std::env::args().nth(1).unwrap_or_else(|| "all".into());
     if what == "worker" {
         let code = sprout_worker::worker_main(std::env::args_os().skip(2));
-        std::process::exit(if code == std::process::ExitCode::SUCCESS { 0 } else { 1 });
+        std::process::exit(if code == std::process::ExitCode::SUCCESS {
+            0
+        } else {
+            1
+        });
     }
     let runs: Option<usize> = std::env::args().nth(2).map(|s| s.parse()).transpose()?;
     println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");

@@ -35,7 +35,12 @@ fn cmd() -> anyhow::Result<WorkerCommand> {
     Ok(WorkerCommand::current_exe(&["worker"])?)
 }
 
-fn ready(cmd: &WorkerCommand, dir: &Path, n: usize, seq: &mut u64) -> anyhow::Result<Vec<WorkerProcess>> {
+fn ready(
+    cmd: &WorkerCommand,
+    dir: &Path,
+    n: usize,
+    seq: &mut u64,
+) -> anyhow::Result<Vec<WorkerProcess>> {
     let socks: Vec<_> = (0..n)
         .map(|_| {
             *seq += 1;
@@ -117,7 +122,10 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
             xproc.push(t.elapsed());
             stop(kids);
         }
-        row(&format!("fork({n}) to all answering, in-process, shells pre-built"), inproc);
+        row(
+            &format!("fork({n}) to all answering, in-process, shells pre-built"),
+            inproc,
+        );
         row(
             &format!("fork({n}) to all answering, across worker processes, ready workers"),
             xproc,
@@ -147,8 +155,14 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
         xproc.push(t.elapsed());
         stop(w);
     }
-    row("restore into a ready VM shell to first answer, in-process (mmap)", inproc);
-    row("restore into a ready worker to first answer, across processes (mmap)", xproc);
+    row(
+        "restore into a ready VM shell to first answer, in-process (mmap)",
+        inproc,
+    );
+    row(
+        "restore into a ready worker to first answer, across processes (mmap)",
+        xproc,
+    );
 
     // Host memory of an idle child worker, whole process.
     let n = 8;
