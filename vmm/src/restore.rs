@@ -292,7 +292,10 @@ impl Vm {
             entry: st.entry,
             has_pit: st.arch.pit.is_some(),
             lineage: Lineage::restored(instance_id, chain, leases),
-            config: VmConfig::from_spec(spec, opts.serial),
+            config: VmConfig {
+                vsock_max_connections: opts.vsock_max_connections,
+                ..VmConfig::from_spec(spec, opts.serial)
+            },
         })?;
         phase("threads started");
         Ok(vm)
@@ -357,7 +360,8 @@ impl DeviceSource for RestoreDevices<'_> {
                     if let Some(v) = self.spec.vsock.as_mut() {
                         v.uds_path = uds.clone();
                     }
-                    let dev = Vsock::restore(uds, s)?;
+                    let mut dev = Vsock::restore(uds, s)?;
+                    dev.set_max_connections(self.opts.vsock_max_connections);
                     ("virtio-vsock", VirtioDev::Vsock(Arc::new(Mutex::new(dev))))
                 }
                 DevState::Rng(s) => {
