@@ -22,6 +22,7 @@
 //!
 //! The on-disk format is described in `docs/snapshot-format.md`.
 
+pub mod fault;
 pub mod format;
 pub mod layers;
 pub mod mmap;

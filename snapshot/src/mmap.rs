@@ -61,6 +61,9 @@ pub struct PrivateMapping {
     ptr: NonNull<u8>,
     len: usize,
     stats: MapStats,
+    /// A SIGBUS here (a layer file truncated under us) ends the process
+    /// with a clear reason: see [`crate::fault`].
+    _fault: crate::fault::FaultGuard,
 }
 
 // SAFETY: the mapping is owned by this value and only exposed as a raw
@@ -201,6 +204,7 @@ fn map_private_impl(
         ptr: base,
         len,
         stats: MapStats::default(),
+        _fault: crate::fault::FaultGuard::new(base.as_ptr(), len),
     };
     let (mut runs, mut copied): (Vec<_>, Vec<_>) = stack
         .overlay_runs()

@@ -229,3 +229,64 @@ fn rng_fills_guest_memory_with_fresh_bytes() {
         "mostly zero: not filled"
     );
 }
+
+/// Tries the `CONNECT` handshake; `None` if the VM closed the stream first
+/// (refused by its connection budget).
+fn try_host_connect(uds: &Path, port: u32) -> Option<UnixStream> {
+    use std::io::{BufRead, BufReader};
+    let mut s = UnixStream::connect(uds).unwrap();
+    s.set_read_timeout(Some(TIMEOUT)).unwrap();
+    s.write_all(format!("CONNECT {port}\n").as_bytes()).ok()?;
+    let mut line = String::new();
+    match BufReader::new(&mut s).read_line(&mut line) {
+        Ok(_) if line.starts_with("OK ") => Some(s),
+        _ => None,
+    }
+}
+
+/// A host opening more vsock connections than the VM's budget gets the extra
+/// ones closed at once; the accepted ones and the guest keep working, and a
+/// closed connection frees its place.
+#[test]
+fn vsock_connections_beyond_the_budget_are_refused_and_the_vm_keeps_serving() {
+    let dir = TempDir::new("vsock-budget");
+    let uds = dir.path().join("vsock.sock");
+    let (mut cfg, console) = config(1, 128);
+    cfg.vsock = Some(VsockConfig {
+        guest_cid: 42,
+        uds_path: uds.clone(),
+    });
+    cfg.vsock_max_connections = 4;
+    let vm = boot(cfg, &console);
+    let mut conns: Vec<UnixStream> = (0..4)
+        .map(|_| host_connect(&uds, mb::VSOCK_ECHO_PORT))
+        .collect();
+    for _ in 0..3 {
+        assert!(
+            try_host_connect(&uds, mb::VSOCK_ECHO_PORT).is_none(),
+            "a connection beyond the budget was accepted"
+        );
+    }
+    for (i, c) in conns.iter_mut().enumerate() {
+        let msg = format!("conn {i}");
+        c.write_all(msg.as_bytes()).unwrap();
+        let mut got = vec![0u8; msg.len()];
+        c.read_exact(&mut got).unwrap();
+        assert_eq!(got, msg.as_bytes());
+    }
+    assert_eq!(call(&vm, 0, mb::CMD_ECHO, [7, 0, 0, 0]).rets[0], 7);
+    // Closing one frees its place (once the guest has seen the close).
+    drop(conns.pop());
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut again = loop {
+        if let Some(s) = try_host_connect(&uds, mb::VSOCK_ECHO_PORT) {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "no place freed");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    again.write_all(b"again").unwrap();
+    let mut got = [0u8; 5];
+    again.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"again");
+}

@@ -341,3 +341,49 @@ fn restores_into_prebuilt_shells_with_each_backend() {
         .unwrap();
     assert!(err.to_string().contains("shell"), "{err}");
 }
+
+/// Restore opens the disk layer files the verified manifest lists, whatever
+/// they are called, and never a file it did not list: here the listed files
+/// are renamed (the manifest follows), and decoys under the names the VMM
+/// writes hold garbage.
+#[test]
+fn disk_layers_come_from_the_manifest_not_from_file_names() {
+    let dir = TempDir::new("snap-disknames");
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    let (mut cfg, console) = config(1, 128);
+    cfg.disks = vec![DiskConfig {
+        path: disk,
+        read_only: false,
+        id: "data".into(),
+    }];
+    let mut vm = boot(cfg, &console);
+    let buf = TESTGUEST_SCRATCH;
+    let before: Vec<u8> = (0..512u32).map(|i| (i % 251) as u8).collect();
+    vm.memory().write_slice(&before, GuestAddress(buf)).unwrap();
+    call(&vm, 0, mb::CMD_BLK_WRITE, [0, 7, buf, 1]);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+
+    let mut m = snapshot::Snapshot::load(&snap).unwrap().manifest().clone();
+    let layer = m.disk_layers.first_mut().expect("a disk layer");
+    for (i, f) in layer.files.iter_mut().enumerate() {
+        let new = format!("renamed-{i}.bin");
+        std::fs::rename(snap.join(&f.name), snap.join(&new)).unwrap();
+        std::fs::write(snap.join(&f.name), vec![0xa5u8; 4096]).unwrap();
+        f.name = new;
+    }
+    snapshot::format::rewrite_manifest(&snap, &m).unwrap();
+
+    let r = Vm::restore(&snap, opts(MemoryBackend::Mmap, &dir, "r")).unwrap();
+    call(&r, 0, mb::CMD_BLK_READ, [0, 7, buf + MIB, 1]);
+    let mut back = vec![0u8; 512];
+    r.memory()
+        .read_slice(&mut back, GuestAddress(buf + MIB))
+        .unwrap();
+    assert_eq!(back, before);
+}

@@ -191,3 +191,38 @@ fn the_run_state_follows_the_vm_and_refuses_what_it_does_not_allow() {
     assert!(vm.resume().is_err());
     assert_eq!(vm.stop(), ExitReason::Reset);
 }
+
+/// A vCPU stuck in a device handler (here: waiting for the serial device's
+/// lock, which another thread holds forever) never acknowledges its exit;
+/// `stop` gives up on it within its deadline instead of hanging, and says so.
+#[test]
+fn stop_returns_when_a_vcpu_is_stuck_in_a_device() {
+    use std::time::{Duration, Instant};
+    let (cfg, console) = config(2, 128);
+    let vm = boot(cfg, &console);
+    let serial = vm.serial_device();
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let holder = std::thread::spawn(move || {
+        let _g = serial.lock().unwrap_or_else(|p| p.into_inner());
+        locked_tx.send(()).unwrap();
+        let _ = release_rx.recv();
+    });
+    locked_rx.recv().unwrap();
+    let m = vm.mailbox().unwrap();
+    let msg = guest_abi::layout::TESTGUEST_SCRATCH;
+    vm_memory::Bytes::write_slice(vm.memory(), b"wedged", vm_memory::GuestAddress(msg)).unwrap();
+    // vCPU 0 blocks on the serial lock printing this; the call times out.
+    assert!(m
+        .call(0, mb::CMD_PRINT, [msg, 6, 0, 0], Duration::from_millis(300))
+        .is_err());
+    let t = Instant::now();
+    let reason = vm.stop();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(5), "stop took {took:?}");
+    assert!(!reason.is_clean(), "{reason:?}");
+    assert!(reason.to_string().contains("vCPU 0"), "{reason}");
+    // Let the abandoned thread finish so the process ends tidily.
+    release_tx.send(()).unwrap();
+    holder.join().unwrap();
+}

@@ -277,7 +277,7 @@ impl VmBuilder {
             last_pause: Duration::ZERO,
             run: VmRunState::Created,
             vm,
-            ram,
+            ram: memory::KeptRam::new(ram),
             config: parts.config,
         })
     }

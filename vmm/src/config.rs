@@ -39,7 +39,14 @@ pub struct VmConfig {
     pub console_input: bool,
     /// The VM's instance id; a random one when `None`.
     pub instance_id: Option<u64>,
+    /// The vsock device's connection budget (host fds and buffers per VM);
+    /// [`DEFAULT_VSOCK_CONNECTIONS`] unless set, at most
+    /// `devices::virtio::vsock::MAX_CONNECTIONS`.
+    pub vsock_max_connections: usize,
 }
+
+/// The default vsock connection budget of a VM.
+pub const DEFAULT_VSOCK_CONNECTIONS: usize = devices::virtio::vsock::DEFAULT_MAX_CONNECTIONS;
 
 /// The part of a [`VmConfig`] that describes the machine (not where its
 /// console goes): what a snapshot records.
@@ -80,6 +87,7 @@ impl VmConfig {
             serial,
             console_input: false,
             instance_id: None,
+            vsock_max_connections: DEFAULT_VSOCK_CONNECTIONS,
         }
     }
 
@@ -96,6 +104,7 @@ impl VmConfig {
             serial: SerialOutput::Stdout,
             console_input: false,
             instance_id: None,
+            vsock_max_connections: DEFAULT_VSOCK_CONNECTIONS,
         }
     }
 

@@ -127,7 +127,8 @@ impl DeviceSource for BootDevices<'_> {
             ));
         }
         if let Some(v) = &config.vsock {
-            let dev = Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(VmError::Vsock)?;
+            let mut dev = Vsock::new(v.guest_cid, v.uds_path.clone()).map_err(VmError::Vsock)?;
+            dev.set_max_connections(config.vsock_max_connections);
             out.push(fresh(
                 "virtio-vsock",
                 VirtioDev::Vsock(Arc::new(Mutex::new(dev))),

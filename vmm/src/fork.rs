@@ -166,6 +166,8 @@ impl Vm {
                 None => None,
             });
         }
+        // Children get their parent's vsock connection budget.
+        let budget = self.config.vsock_max_connections;
         // Loaded and verified once; every child maps the same layer stack.
         let (chain, stack) =
             crate::restore::load_for_restore(&layer.dir).map_err(ForkError::Load)?;
@@ -178,6 +180,7 @@ impl Vm {
                         let id = new_instance_id();
                         let mut o = RestoreOptions::for_fork(opts.backend);
                         o.instance_id = Some(id);
+                        o.vsock_max_connections = budget;
                         o.serial = opts.serial.clone();
                         o.scratch_dir = opts.scratch_dir.clone();
                         o.vsock_uds = opts

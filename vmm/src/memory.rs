@@ -56,6 +56,45 @@ pub struct GuestRam {
     pub backing: Backing,
 }
 
+/// A VM's guest RAM, unmapped on drop unless [`KeptRam::leak`] was called:
+/// a thread that teardown had to abandon may still touch it, and unmapping
+/// memory under a live thread would turn its next access into a SIGSEGV.
+pub struct KeptRam {
+    ram: std::mem::ManuallyDrop<GuestRam>,
+    leak: bool,
+}
+
+impl KeptRam {
+    pub fn new(ram: GuestRam) -> Self {
+        Self {
+            ram: std::mem::ManuallyDrop::new(ram),
+            leak: false,
+        }
+    }
+
+    /// Keeps the mapping (and its backing) for the life of the process.
+    pub fn leak(&mut self) {
+        self.leak = true;
+    }
+}
+
+impl std::ops::Deref for KeptRam {
+    type Target = GuestRam;
+    fn deref(&self) -> &GuestRam {
+        &self.ram
+    }
+}
+
+impl Drop for KeptRam {
+    fn drop(&mut self) {
+        if !self.leak {
+            // SAFETY: `ram` is dropped only here, once, and never used after;
+            // a leaked `ram` is never dropped at all.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.ram) };
+        }
+    }
+}
+
 /// Creates `size` bytes of zeroed guest RAM laid out by [`layout::ram_regions`].
 pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
     let name: &CStr = c"sprout-guest-ram";

@@ -53,6 +53,10 @@ pub struct RestoreOptions {
     pub scratch_dir: PathBuf,
     /// The restored VM's instance id; a random one when `None`.
     pub instance_id: Option<u64>,
+    /// The restored vsock device's connection budget (see
+    /// [`crate::VmConfig::vsock_max_connections`]): a host-side limit, not
+    /// part of the snapshot.
+    pub vsock_max_connections: usize,
 }
 
 impl RestoreOptions {
@@ -65,6 +69,7 @@ impl RestoreOptions {
             vsock_uds: None,
             scratch_dir: std::env::temp_dir(),
             instance_id: None,
+            vsock_max_connections: crate::config::DEFAULT_VSOCK_CONNECTIONS,
         }
     }
 

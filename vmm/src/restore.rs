@@ -91,6 +91,12 @@ pub enum RestoreError {
         #[source]
         source: devices::virtio::block::LayeredError,
     },
+    #[error("Disk {disk}'s layer in {dir} lists {files} files, not a data file and a map")]
+    DiskLayerFiles {
+        disk: usize,
+        dir: std::path::PathBuf,
+        files: usize,
+    },
     #[error("Cannot map restored memory")]
     Mmap(#[from] snapshot::mmap::MmapError),
     #[error("Cannot start the userfaultfd page server")]
@@ -124,6 +130,7 @@ impl RestoreError {
             Self::Vm(e) | Self::Resume(e) => e.code(),
             Self::Lease(_)
             | Self::DiskLayer { .. }
+            | Self::DiskLayerFiles { .. }
             | Self::Mmap(_)
             | Self::Uffd(_)
             | Self::Memory(_) => "io",
@@ -285,7 +292,10 @@ impl Vm {
             entry: st.entry,
             has_pit: st.arch.pit.is_some(),
             lineage: Lineage::restored(instance_id, chain, leases),
-            config: VmConfig::from_spec(spec, opts.serial),
+            config: VmConfig {
+                vsock_max_connections: opts.vsock_max_connections,
+                ..VmConfig::from_spec(spec, opts.serial)
+            },
         })?;
         phase("threads started");
         Ok(vm)
@@ -350,7 +360,8 @@ impl DeviceSource for RestoreDevices<'_> {
                     if let Some(v) = self.spec.vsock.as_mut() {
                         v.uds_path = uds.clone();
                     }
-                    let dev = Vsock::restore(uds, s)?;
+                    let mut dev = Vsock::restore(uds, s)?;
+                    dev.set_max_connections(self.opts.vsock_max_connections);
                     ("virtio-vsock", VirtioDev::Vsock(Arc::new(Mutex::new(dev))))
                 }
                 DevState::Rng(s) => {
@@ -399,17 +410,21 @@ impl RestoreDevices<'_> {
             BlockDisk::Image(cfg.path.clone())
         } else {
             let name = disk_layer_name(index);
+            // Only the files each verified manifest lists, never names built
+            // here: an unlisted file in a snapshot directory is not ours.
             let layers: Vec<LayerFiles> = self
                 .chain
                 .iter()
-                .filter(|s| s.disk_layer(&name).is_some())
-                .map(|s| {
-                    LayerFiles::mapped(
-                        s.dir().join(format!("{name}.data")),
-                        s.dir().join(format!("{name}.map")),
-                    )
+                .filter_map(|s| s.disk_layer(&name).map(|d| (s, d)))
+                .map(|(s, d)| match d.files.as_slice() {
+                    [data, map] => Ok(LayerFiles::mapped(s.file_path(data), s.file_path(map))),
+                    other => Err(RestoreError::DiskLayerFiles {
+                        disk: index,
+                        dir: s.dir().to_owned(),
+                        files: other.len(),
+                    }),
                 })
-                .collect();
+                .collect::<Result<_, _>>()?;
             let top = self.opts.scratch_dir.join(format!(
                 "sprout-disk-{}-{}-{}",
                 std::process::id(),

@@ -10,7 +10,7 @@ use std::os::unix::thread::JoinHandleExt;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use devices::bus::lock;
 use devices::Bus;
@@ -36,6 +36,10 @@ pub enum ExitReason {
     VcpuFailed { vcpu: u8, message: String },
     /// The host stopped the VM.
     Stopped,
+    /// Teardown gave up on threads that did not end in time (`threads` names
+    /// them); they were abandoned and the guest memory they may still touch
+    /// was left mapped.
+    Abandoned { threads: String },
 }
 
 impl ExitReason {
@@ -56,6 +60,12 @@ impl std::fmt::Display for ExitReason {
             }
             Self::VcpuFailed { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
             Self::Stopped => write!(f, "stopped by the host"),
+            Self::Abandoned { threads } => {
+                write!(
+                    f,
+                    "stopped uncleanly: {threads} did not exit and were abandoned"
+                )
+            }
         }
     }
 }
@@ -73,6 +83,13 @@ impl ExitSignal {
         if g.is_none() {
             *g = Some(r);
         }
+        self.cond.notify_all();
+    }
+
+    /// Records `r` even over an earlier reason: what teardown found out
+    /// (threads abandoned) matters more than why the VM was being stopped.
+    pub fn overwrite(&self, r: ExitReason) {
+        *lock(&self.reason) = Some(r);
         self.cond.notify_all();
     }
 
@@ -177,6 +194,7 @@ pub struct Vcpu {
     /// Sequence number of the last command sent: every ack carries its
     /// command's, so a late ack (after a timeout) is told apart and dropped.
     seq: u64,
+    exit_requested: bool,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -199,6 +217,7 @@ impl Vcpu {
             tx,
             acks,
             seq: 0,
+            exit_requested: false,
             thread: Some(thread),
         })
     }
@@ -234,9 +253,9 @@ impl Vcpu {
     /// Waits (at most [`ACK_TIMEOUT`]) for the answer to command `seq`,
     /// dropping answers to earlier commands that came too late.
     fn wait_ack(&mut self, seq: u64) -> Result<Ack, VcpuError> {
-        let deadline = std::time::Instant::now() + ACK_TIMEOUT;
+        let deadline = Instant::now() + ACK_TIMEOUT;
         loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             match self.acks.recv_timeout(left) {
                 Ok((n, _)) if n < seq => continue,
                 Ok((_, Ack::State(s))) => {
@@ -281,18 +300,46 @@ impl Vcpu {
         }
     }
 
-    /// Ends the thread and joins it.
-    pub fn stop(&mut self) {
-        if self.thread.is_none() {
+    /// Asks the thread to end (and kicks it out of `KVM_RUN`) without
+    /// waiting: [`Vcpu::join_until`] collects it. Sending to every vCPU first
+    /// lets them all end at once.
+    pub fn request_exit(&mut self) {
+        if self.thread.is_none() || self.exit_requested {
             return;
         }
+        self.exit_requested = true;
         self.seq += 1;
         let _ = self.tx.send((self.seq, Command::Exit));
         self.kick();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    }
+
+    /// Joins the thread if it ends by `deadline`; otherwise detaches it (with
+    /// a logged error) and returns false. A thread stuck in a device handler
+    /// is never kicked again once detached: its pthread id may be reused.
+    pub fn join_until(&mut self, deadline: Instant) -> bool {
+        let Some(t) = self.thread.take() else {
+            return true;
+        };
         self.state = RunState::Exited;
+        while !t.is_finished() {
+            if Instant::now() >= deadline {
+                log::error!(
+                    "vCPU {} did not exit in time: abandoning its thread",
+                    self.index
+                );
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = t.join();
+        true
+    }
+
+    /// Ends the thread and joins it, giving up (and detaching it) after
+    /// [`ACK_TIMEOUT`]. Returns whether it ended.
+    pub fn stop(&mut self) -> bool {
+        self.request_exit();
+        self.join_until(Instant::now() + ACK_TIMEOUT)
     }
 }
 
@@ -311,7 +358,7 @@ impl VcpuControl for Vcpu {
 
 impl Drop for Vcpu {
     fn drop(&mut self) {
-        self.stop();
+        let _ = self.stop();
     }
 }
 

@@ -13,7 +13,7 @@ use crate::config::{ConfigError, VmConfig};
 use crate::event_loop::EventLoop;
 use crate::kvm::KvmError;
 use crate::mailbox::Mailbox;
-use crate::memory::{GuestRam, MemoryError};
+use crate::memory::{KeptRam, MemoryError};
 use crate::run_state::{pause_all, resume_all, InvalidState, PauseFailed, VmOp, VmRunState};
 use crate::vcpu::{ExitSignal, Vcpu, VcpuError};
 use crate::vm_devices::{AttachError, DeviceHandles};
@@ -78,6 +78,9 @@ impl VmError {
     }
 }
 
+/// How long stopping a VM waits, in all, for its threads to end.
+pub const STOP_DEADLINE: Duration = Duration::from_secs(3);
+
 /// A booted VM. Dropping it stops every thread it started and frees its memory.
 pub struct Vm {
     // Field order is drop order: threads first, then what they use, the VM
@@ -98,7 +101,7 @@ pub struct Vm {
     /// Where the host last put the VM (`Exited` comes from `exit` instead).
     pub(crate) run: VmRunState,
     pub(crate) vm: VmFd,
-    pub(crate) ram: GuestRam,
+    pub(crate) ram: KeptRam,
     pub(crate) config: VmConfig,
 }
 
@@ -170,18 +173,46 @@ impl Vm {
         self.state() == VmRunState::Paused
     }
 
-    /// Stops the VM (if still running) and every thread it started.
+    /// Stops the VM (if still running) and every thread it started, within
+    /// [`STOP_DEADLINE`] even when a thread is stuck: see [`ExitReason::Abandoned`].
     pub fn stop(mut self) -> ExitReason {
         self.exit.set(ExitReason::Stopped);
         self.shutdown();
         self.exit.get().unwrap_or(ExitReason::Stopped)
     }
 
+    /// Asks every vCPU and the event loop to end before waiting on any, then
+    /// joins them against one deadline. Threads still running then (stuck in
+    /// a device handler, or never answering) are detached: the VM is torn
+    /// down anyway, its guest memory stays mapped for them, and the exit
+    /// reason says so.
     fn shutdown(&mut self) {
         for v in &mut self.vcpus {
-            v.stop();
+            v.request_exit();
         }
-        self.event_loop.stop();
+        self.event_loop.request_stop();
+        let deadline = std::time::Instant::now() + STOP_DEADLINE;
+        let mut stuck: Vec<String> = Vec::new();
+        for v in &mut self.vcpus {
+            if !v.join_until(deadline) {
+                stuck.push(format!("vCPU {}", v.index()));
+            }
+        }
+        if !self.event_loop.join_until(deadline) {
+            stuck.push("the event loop".into());
+        }
+        if !stuck.is_empty() {
+            let threads = stuck.join(", ");
+            log::error!("VM teardown abandons threads that did not exit: {threads}");
+            self.ram.leak();
+            self.exit.overwrite(ExitReason::Abandoned { threads });
+        }
+    }
+
+    /// The serial device, for tests that hold its lock to wedge a vCPU.
+    #[cfg(feature = "test-hooks")]
+    pub fn serial_device(&self) -> Arc<std::sync::Mutex<devices::legacy::Serial>> {
+        self.devices.serial.clone()
     }
 
     /// The test guest's mailbox (for kernels with the direct entry).

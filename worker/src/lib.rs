@@ -113,6 +113,27 @@ fn parse(args: impl IntoIterator<Item = OsString>) -> Result<(WorkerOptions, boo
     ))
 }
 
+/// The descriptors a worker may hold: its VM's vsock connection budget
+/// (one host fd each) plus room for KVM (VM, vCPUs, memory), eventfds,
+/// irqfds and ioeventfds, snapshot layer files and control connections.
+pub const OPEN_FILES_LIMIT: u64 = vmm::DEFAULT_VSOCK_CONNECTIONS as u64 + 768;
+
+/// Caps `RLIMIT_NOFILE` (soft and hard) at [`OPEN_FILES_LIMIT`]: one VM per
+/// process, so a hostile guest's connections cannot starve the host of fds.
+/// A limit already below it is kept.
+fn limit_open_files() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    let cap = |v: Option<u64>| Some(v.map_or(OPEN_FILES_LIMIT, |v| v.min(OPEN_FILES_LIMIT)));
+    let new = Rlimit {
+        current: cap(cur.current),
+        maximum: cap(cur.maximum),
+    };
+    if let Err(e) = setrlimit(Resource::Nofile, new) {
+        log::warn!("cannot limit open files to {OPEN_FILES_LIMIT}: {e}");
+    }
+}
+
 fn start(opts: WorkerOptions, foreground: bool) -> Result<ExitCode, String> {
     if !foreground {
         // Its own session: a signal to the starter's process group or the
@@ -121,6 +142,7 @@ fn start(opts: WorkerOptions, foreground: bool) -> Result<ExitCode, String> {
             log::debug!("setsid: {e} (already a session leader)");
         }
     }
+    limit_open_files();
     let socket = opts.socket.clone();
     match server::run(opts) {
         Ok(Some(r)) => {

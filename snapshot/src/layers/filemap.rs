@@ -8,10 +8,13 @@ use std::ptr::NonNull;
 /// A read-only shared mapping of the first `len` bytes of a file.
 ///
 /// The file must not shrink while mapped (snapshot files never change once
-/// committed): reading a page past its end would fault with SIGBUS.
+/// committed): reading a page past its end faults with SIGBUS, which ends
+/// the process with a clear reason ([`crate::fault`]).
 pub(crate) struct FileMap {
     ptr: NonNull<u8>,
     len: usize,
+    /// A SIGBUS here ends the process with a clear reason ([`crate::fault`]).
+    _fault: crate::fault::FaultGuard,
 }
 
 // SAFETY: the mapping is read-only and owned by this value until drop; its
@@ -41,7 +44,11 @@ impl FileMap {
         }
         let ptr =
             NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave NULL"))?;
-        Ok(FileMap { ptr, len })
+        Ok(FileMap {
+            ptr,
+            len,
+            _fault: crate::fault::FaultGuard::new(ptr.as_ptr(), len),
+        })
     }
 
     pub(crate) fn as_ptr(&self) -> *const u8 {

@@ -37,9 +37,11 @@ struct Layer {
 /// The memory layers of a snapshot chain, from the topmost full layer (the
 /// base) up through the diff layers above it.
 ///
-/// Each layer's data file is mapped `MAP_SHARED`, `PROT_READ` once. Snapshot
+/// Each layer's data file is mapped `MAP_SHARED`, `PROT_READ` once, and kept
+/// open; its size is checked against the verified manifest at open. Snapshot
 /// files must not change while a stack is open (they never do once
-/// committed): a file truncated under the mapping would fault with SIGBUS.
+/// committed): a file truncated under the mapping faults with SIGBUS, which
+/// ends the process with a clear reason ([`crate::fault`]).
 pub struct LayerStack {
     mem_bytes: u64,
     pages: u64,

@@ -128,6 +128,12 @@ impl Vsock {
         &self.uds_path
     }
 
+    /// Sets the connection budget (see [`super::DEFAULT_MAX_CONNECTIONS`]),
+    /// kept within `1..=`[`super::MAX_CONNECTIONS`].
+    pub fn set_max_connections(&mut self, n: usize) {
+        self.muxer.limits.max_conns = n.clamp(1, super::MAX_CONNECTIONS);
+    }
+
     /// Features the driver acknowledged at activation.
     pub fn acked_features(&self) -> u64 {
         self.acked_features

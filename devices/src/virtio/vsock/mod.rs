@@ -29,7 +29,8 @@
 //!
 //! Every guest value is hostile: malformed packets are dropped or answered with RST, the
 //! host never buffers more for a connection than the credit it advertised
-//! ([`CONN_BUF_SIZE`]), and the number of connections is bounded ([`MAX_CONNECTIONS`]).
+//! ([`CONN_BUF_SIZE`]), and the number of connections is bounded (a per-device budget,
+//! [`DEFAULT_MAX_CONNECTIONS`] unless set, at most [`MAX_CONNECTIONS`]).
 
 mod connection;
 mod device;
@@ -57,9 +58,13 @@ pub const MAX_PKT_DATA: u32 = 64 * 1024;
 /// Receive buffer each connection advertises to the guest (`buf_alloc`): the most the
 /// host buffers for it when the host stream is slow.
 pub const CONN_BUF_SIZE: u32 = 256 * 1024;
-/// Most live connections (including host connections still sending their `CONNECT`
-/// line); more are refused: host streams are closed, guest requests get RST.
+/// The highest connection budget a device accepts ([`Vsock::set_max_connections`]).
 pub const MAX_CONNECTIONS: usize = 1024;
+/// Most live connections (including host connections still sending their `CONNECT`
+/// line) unless configured otherwise; more are refused: host streams are closed,
+/// guest requests get RST. Each holds one host fd and at most [`CONN_BUF_SIZE`]
+/// of buffers, so this bounds both per VM (256 fds, 64 MiB).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 256;
 /// Longest `CONNECT <port>\n` line, newline included.
 pub const MAX_CONNECT_LINE: usize = 32;
 /// How long a host stream may take to send its `CONNECT` line, and the guest to answer

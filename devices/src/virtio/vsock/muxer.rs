@@ -24,7 +24,7 @@ use super::packet::{
     Header, OP_CREDIT_REQUEST, OP_CREDIT_UPDATE, OP_REQUEST, OP_RESPONSE, OP_RST, OP_RW,
     OP_SHUTDOWN, TYPE_STREAM,
 };
-use super::{CONNECT_TIMEOUT, HOST_CID, MAX_CONNECTIONS};
+use super::{CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, HOST_CID};
 
 /// A connection's key: (host-side port, guest-side port).
 pub type ConnKey = (u32, u32);
@@ -58,7 +58,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
-            max_conns: MAX_CONNECTIONS,
+            max_conns: DEFAULT_MAX_CONNECTIONS,
             connect_timeout: CONNECT_TIMEOUT,
             linger_timeout: CONNECT_TIMEOUT,
         }
