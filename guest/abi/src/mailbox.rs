@@ -12,8 +12,8 @@
 //! its slot; a fatal guest error is reported through [`REG_PANIC`].
 //!
 //! Only vCPU 0 drives devices (blk, vsock, rng); every vCPU answers the memory commands.
-//! A device command (`CMD_BLK_*`, `CMD_VSOCK_SEND`, `CMD_RNG_READ`) sent to another
-//! vCPU answers [`STATUS_NO_DEVICE`]; `CMD_PROBE` answers on every vCPU.
+//! A device command (`CMD_BLK_*`, `CMD_VSOCK_SEND`, `CMD_RNG_READ`, `CMD_FLOOD`) sent
+//! to another vCPU answers [`STATUS_NO_DEVICE`]; `CMD_PROBE` answers on every vCPU.
 //! Everything the guest writes is untrusted by the host.
 //!
 //! The test guest's ELF carries a note ([`NOTE_NAME`], [`NOTE_TYPE`], a 4-byte
@@ -106,6 +106,24 @@ pub const CMD_PRINT: u32 = 12;
 pub const CMD_PROBE: u32 = 13;
 /// args = [gpa, len]: fill with bytes from virtio-rng (len <= 4096).
 pub const CMD_RNG_READ: u32 = 14;
+/// Hostile flood, for tests of the host's control under a guest that never lets a
+/// device queue rest. args = [targets, blk dev, gpa, sectors]: `targets` is a mask of
+/// [`FLOOD_BLK`] (read `sectors` sectors, 1..=2048, into gpa from sector 0 of blk
+/// `dev`) and [`FLOOD_RNG`] (fill [`FLOOD_RNG_BYTES`] bytes at gpa + sectors * 512).
+/// vCPU 0 answers STATUS_OK (rets[0] = the targets flooded) and then, in user mode,
+/// forever: keeps every entry of each target's queue posted (the same descriptors
+/// again and again, the avail index bumped as soon as the device returns one, never
+/// more than a queue's worth ahead), writes QueueNotify on every pass whatever the
+/// device's NO_NOTIFY flag says, never idles and never acknowledges an interrupt.
+/// `Slot::counter` of vCPU 0 counts the chains the devices returned, so the host can
+/// see the flood run. vCPU 0 serves no command after this; the others do.
+pub const CMD_FLOOD: u32 = 15;
+/// `CMD_FLOOD` target: virtio-blk reads.
+pub const FLOOD_BLK: u64 = 1;
+/// `CMD_FLOOD` target: virtio-rng reads.
+pub const FLOOD_RNG: u64 = 2;
+/// Bytes per virtio-rng request of `CMD_FLOOD`.
+pub const FLOOD_RNG_BYTES: u64 = 256;
 
 pub const STATUS_OK: u32 = 0;
 pub const STATUS_BAD_CMD: u32 = 1;

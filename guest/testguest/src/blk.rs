@@ -12,7 +12,7 @@ const F_FLUSH: u64 = 1 << 9;
 const S_OK: u8 = 0;
 pub const SECTOR: u64 = 512;
 /// Sectors per request (larger transfers are split).
-const CHUNK: u64 = 2048;
+pub const CHUNK: u64 = 2048;
 /// Bytes of a device ID.
 pub const ID_BYTES: u32 = 20;
 
@@ -84,6 +84,31 @@ impl Blk {
         } else {
             STATUS_IO_ERROR
         }
+    }
+
+    /// Sets up the one read chain `CMD_FLOOD` posts again and again: `sectors` sectors
+    /// from sector 0 into `gpa` (descriptors 0..=2; head 0).
+    pub fn flood_chain(&mut self, gpa: u64, sectors: u64) {
+        let mut hdr = [0u8; 16];
+        hdr[0..4].copy_from_slice(&T_IN.to_le_bytes());
+        // SAFETY: `req` is this device's own request memory. From now on the device
+        // keeps writing the status byte; nothing reads it.
+        let (hdr_addr, status_addr) = unsafe {
+            core::ptr::addr_of_mut!((*self.req).hdr).write_volatile(hdr);
+            (
+                core::ptr::addr_of!((*self.req).hdr) as u64,
+                core::ptr::addr_of!((*self.req).status) as u64,
+            )
+        };
+        let len = (sectors.clamp(1, CHUNK) * SECTOR) as u32;
+        self.q.set_desc(0, hdr_addr, 16, DESC_NEXT, 1);
+        self.q.set_desc(1, gpa, len, DESC_NEXT | DESC_WRITE, 2);
+        self.q.set_desc(2, status_addr, 1, DESC_WRITE, 0);
+    }
+
+    /// One flood pass (see `Virtq::flood_pass`): chains the device returned.
+    pub fn flood_pass(&mut self) -> u64 {
+        self.q.flood_pass(0)
     }
 
     /// Reads (`write == false`) or writes `sectors` sectors at `sector` to/from `gpa`.

@@ -101,6 +101,10 @@ impl Mailbox {
             }),
             CMD_PROBE => Ok(probe_rets(devs.as_deref())),
             CMD_RESET => boot::reset(),
+            CMD_FLOOD => match devs {
+                Some(d) => return self.flood(c, info, d),
+                None => Err(STATUS_NO_DEVICE),
+            },
             CMD_BLK_READ | CMD_BLK_WRITE | CMD_BLK_FLUSH | CMD_BLK_ID | CMD_RNG_READ
             | CMD_VSOCK_SEND => match devs {
                 Some(d) => return device_cmd(c, info, d),
@@ -111,6 +115,55 @@ impl Mailbox {
         match r {
             Ok(rets) => Reply::Done(STATUS_OK, rets),
             Err(status) => Reply::Done(status, [0; 4]),
+        }
+    }
+}
+
+impl Mailbox {
+    /// `CMD_FLOOD`: answers a bad request; otherwise answers "started" and floods
+    /// the chosen queues forever from this vCPU, in user mode.
+    fn flood(&self, c: &Cmd, info: &BootInfo, d: &mut Devices) -> Reply {
+        let [targets, dev, gpa, sectors] = c.args;
+        if targets == 0 || targets & !(FLOOD_BLK | FLOOD_RNG) != 0 {
+            return done(STATUS_BAD_ARG);
+        }
+        if !(1..=blk::CHUNK).contains(&sectors)
+            || buffer(info, gpa, sectors * blk::SECTOR + FLOOD_RNG_BYTES).is_err()
+        {
+            return done(STATUS_BAD_ARG);
+        }
+        let mut blk = None;
+        if targets & FLOOD_BLK != 0 {
+            // The field, not `Devices::blk`, so that `d.rng` stays free to borrow.
+            let slot = usize::try_from(dev).ok().and_then(|i| d.blk.get_mut(i));
+            let Some(b) = slot.and_then(Option::as_mut) else {
+                return done(STATUS_NO_DEVICE);
+            };
+            b.flood_chain(gpa, sectors);
+            blk = Some(b);
+        }
+        let mut rng = None;
+        if targets & FLOOD_RNG != 0 {
+            let Some(r) = d.rng.as_mut() else {
+                return done(STATUS_NO_DEVICE);
+            };
+            r.flood_chain(gpa + sectors * blk::SECTOR, FLOOD_RNG_BYTES as u32);
+            rng = Some(r);
+        }
+        self.finish(c.seq, STATUS_OK, [targets, 0, 0, 0]);
+        let counter = self.counter();
+        loop {
+            let mut returned = 0;
+            if let Some(b) = blk.as_mut() {
+                returned += b.flood_pass();
+            }
+            if let Some(r) = rng.as_mut() {
+                returned += r.flood_pass();
+            }
+            if returned != 0 {
+                // SAFETY: the counter lives in this vCPU's slot; only this vCPU writes it.
+                unsafe { counter.write_volatile(counter.read_volatile() + returned) };
+            }
         }
     }
 }

@@ -16,6 +16,16 @@ impl Rng {
         Some(Self { t, q })
     }
 
+    /// Sets up the one chain `CMD_FLOOD` posts again and again: `len` bytes at `gpa`.
+    pub fn flood_chain(&mut self, gpa: u64, len: u32) {
+        self.q.set_desc(0, gpa, len, DESC_WRITE, 0);
+    }
+
+    /// One flood pass (see `Virtq::flood_pass`): chains the device returned.
+    pub fn flood_pass(&mut self) -> u64 {
+        self.q.flood_pass(0)
+    }
+
     /// Fills `len` bytes at `gpa` (the device may return fewer per request).
     pub fn read(&mut self, gpa: u64, len: u32) -> u32 {
         let mut done = 0;

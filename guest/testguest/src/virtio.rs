@@ -286,6 +286,23 @@ impl Virtq {
         Some((e.id as u16, e.len))
     }
 
+    /// One pass of a hostile flood (`CMD_FLOOD`): makes `head` available again in
+    /// every entry the device has returned (never more than a queue's worth ahead of
+    /// its used index), notifies the device whatever its flags ask, and returns how
+    /// many chains it returned since the last pass. Never waits.
+    pub fn flood_pass(&mut self, head: u16) -> u64 {
+        // SAFETY: the used index, written by the device; volatile read.
+        let used = unsafe { core::ptr::addr_of!((*self.mem).used.idx).read_volatile() };
+        let returned = used.wrapping_sub(self.last_used);
+        self.last_used = used;
+        while self.avail_idx.wrapping_sub(used) < self.size {
+            self.submit(head);
+        }
+        fence(Ordering::SeqCst);
+        self.regs.write(QUEUE_NOTIFY, self.index);
+        u64::from(returned)
+    }
+
     /// Idles until the device returns a buffer, then acknowledges its interrupt.
     pub fn wait_used(&mut self, t: &Transport) -> (u16, u32) {
         while !self.has_used() {
