@@ -1,7 +1,7 @@
 //! virtio-blk: one request at a time, data straight from/to the host's buffer.
 
 use crate::mem::Pool;
-use crate::virtio::{Transport, Virtq, DESC_NEXT, DESC_WRITE};
+use crate::virtio::{Transport, Virtq, DESC_NEXT, DESC_WRITE, QMAX};
 use guest_abi::mailbox::{STATUS_IO_ERROR, STATUS_OK};
 
 const T_IN: u32 = 0;
@@ -37,7 +37,7 @@ pub struct Blk {
 impl Blk {
     pub fn new(t: Transport) -> Option<Self> {
         let features = t.negotiate(F_FLUSH)?;
-        let q = t.queue(0, 8)?;
+        let q = t.queue(0, QMAX as u16)?;
         let req: *mut ReqMem = REQ_MEM.take()?;
         let capacity = t.config64(0);
         t.driver_ok();

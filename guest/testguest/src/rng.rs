@@ -1,6 +1,6 @@
 //! virtio-rng: the device fills the host's buffer directly.
 
-use crate::virtio::{Transport, Virtq, DESC_WRITE};
+use crate::virtio::{Transport, Virtq, DESC_WRITE, QMAX};
 use guest_abi::mailbox::{STATUS_IO_ERROR, STATUS_OK};
 
 pub struct Rng {
@@ -11,7 +11,7 @@ pub struct Rng {
 impl Rng {
     pub fn new(t: Transport) -> Option<Self> {
         t.negotiate(0)?;
-        let q = t.queue(0, 8)?;
+        let q = t.queue(0, QMAX as u16)?;
         t.driver_ok();
         Some(Self { t, q })
     }
