@@ -1,0 +1,190 @@
+//! The host keeps control of a hostile guest: the test guest's `CMD_FLOOD` keeps
+//! the virtio-blk and virtio-rng queues full and notifies without pause on vCPU 0,
+//! and pause, snapshot, resume, restore and stop still finish within deadlines
+//! timed on the host, while vCPU 1 keeps answering its mailbox.
+
+use std::time::{Duration, Instant};
+
+use guest_abi::layout::TESTGUEST_SCRATCH;
+use guest_abi::mailbox as mb;
+use sprout_tests::{boot, call, config, TempDir, TIMEOUT};
+use vmm::mailbox::MailboxError;
+use vmm::{
+    vm::STOP_DEADLINE, DiskConfig, ExitReason, MemoryBackend, RestoreOptions, SnapshotKind, Vm,
+};
+
+const PAUSE_DEADLINE: Duration = Duration::from_secs(2);
+const RESUME_DEADLINE: Duration = Duration::from_secs(2);
+const SNAPSHOT_DEADLINE: Duration = Duration::from_secs(10);
+const RESTORE_DEADLINE: Duration = Duration::from_secs(10);
+/// A mailbox round trip to the vCPU that is not flooding.
+const CALL_DEADLINE: Duration = Duration::from_secs(2);
+const STOP_MARGIN: Duration = Duration::from_secs(1);
+/// Sectors per flooded blk read.
+const SECTORS: u64 = 8;
+/// Chains the devices must return to count as "the flood runs".
+const PROGRESS: u64 = 1000;
+
+/// Runs `f`, asserts it took at most `deadline`, and returns its result and time.
+fn timed<T>(what: &str, deadline: Duration, f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let r = f();
+    let took = t.elapsed();
+    assert!(
+        took <= deadline,
+        "{what} took {took:?} under the flood (deadline {deadline:?})"
+    );
+    eprintln!("flood: {what}: {took:?}");
+    (r, took)
+}
+
+/// vCPU 0's flood counter (chains the devices returned).
+fn flood_count(vm: &Vm) -> u64 {
+    vm.mailbox().unwrap().counter(0).unwrap()
+}
+
+/// Polls, within `TIMEOUT`, until the devices returned `PROGRESS` more chains than
+/// `from`: the flood runs (and the devices serve it).
+fn wait_flood_past(vm: &Vm, from: u64) -> u64 {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let n = flood_count(vm);
+        if n >= from + PROGRESS {
+            return n;
+        }
+        if let Some(r) = vm.exit_reason() {
+            panic!("the VM ended under the flood: {r}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the flood made no progress: {n} chains after {TIMEOUT:?}, from {from}"
+        );
+        // A poll interval, not a wait for the condition: the loop checks it again.
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// vCPU 1 answers an echo within `CALL_DEADLINE`.
+fn echo_other_vcpu(vm: &Vm, what: &str, v: u64) -> Duration {
+    let (r, took) = timed(what, CALL_DEADLINE, || {
+        vm.mailbox()
+            .unwrap()
+            .call(1, mb::CMD_ECHO, [v, 0, 0, 0], CALL_DEADLINE)
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+    });
+    assert!(r.is_ok(), "{what}: {r:?}");
+    assert_eq!(r.rets, [v, 1, 0, 0], "{what}");
+    took
+}
+
+fn flood_args() -> [u64; 4] {
+    [mb::FLOOD_BLK | mb::FLOOD_RNG, 0, TESTGUEST_SCRATCH, SECTORS]
+}
+
+#[test]
+fn host_controls_a_vm_whose_guest_floods_blk_and_rng() {
+    let dir = TempDir::new("flood");
+    let disk = dir.path().join("disk.img");
+    std::fs::write(&disk, vec![0x5a; 1 << 20]).unwrap();
+    let (mut cfg, console) = config(2, 256);
+    cfg.disks = vec![DiskConfig {
+        path: disk,
+        read_only: false,
+        id: "flood".into(),
+    }];
+    cfg.rng = true;
+    let mut vm = boot(cfg, &console);
+    let mbox = vm.mailbox().unwrap();
+
+    // Bad requests are answered, not flooded.
+    let ask = |cpu, args| mbox.call(cpu, mb::CMD_FLOOD, args, TIMEOUT).unwrap();
+    assert_eq!(ask(1, flood_args()).status, mb::STATUS_NO_DEVICE);
+    assert_eq!(
+        ask(0, [0, 0, TESTGUEST_SCRATCH, 1]).status,
+        mb::STATUS_BAD_ARG
+    );
+    assert_eq!(
+        ask(0, [4, 0, TESTGUEST_SCRATCH, 1]).status,
+        mb::STATUS_BAD_ARG
+    );
+    assert_eq!(ask(0, [1, 0, 0, 1]).status, mb::STATUS_BAD_ARG);
+    assert_eq!(
+        ask(0, [1, 0, TESTGUEST_SCRATCH, 0]).status,
+        mb::STATUS_BAD_ARG
+    );
+    assert_eq!(
+        ask(0, [1, 7, TESTGUEST_SCRATCH, 1]).status,
+        mb::STATUS_NO_DEVICE
+    );
+
+    // Start it: vCPU 0 answers "started", then floods for good.
+    let r = call(&vm, 0, mb::CMD_FLOOD, flood_args());
+    assert_eq!(r.rets[0], mb::FLOOD_BLK | mb::FLOOD_RNG);
+    let (t0, c0) = (Instant::now(), flood_count(&vm));
+    let n = wait_flood_past(&vm, c0);
+    let rate = (n - c0) as f64 / t0.elapsed().as_secs_f64();
+    eprintln!("flood: {rate:.0} chains/s returned");
+    // vCPU 0 serves nothing any more; vCPU 1 does.
+    let e = mbox
+        .call(0, mb::CMD_ECHO, [1, 0, 0, 0], Duration::from_millis(200))
+        .unwrap_err();
+    assert!(matches!(e, MailboxError::Timeout { cpu: 0, .. }), "{e}");
+    echo_other_vcpu(&vm, "echo on vCPU 1", 11);
+
+    // Pause: the flood stops (the counter stays put across a snapshot of the paused VM).
+    timed("pause", PAUSE_DEADLINE, || vm.pause().expect("pause"));
+    let paused_at = flood_count(&vm);
+    assert!(paused_at >= n);
+    let snap_paused = dir.path().join("snap-paused");
+    let (r, _) = timed("full snapshot (paused)", SNAPSHOT_DEADLINE, || {
+        vm.snapshot(&snap_paused, SnapshotKind::Full)
+    });
+    r.expect("snapshot of the paused VM");
+    assert!(vm.is_paused());
+    assert_eq!(flood_count(&vm), paused_at, "the flood ran while paused");
+
+    // Resume: the flood goes on and vCPU 1 still answers.
+    timed("resume", RESUME_DEADLINE, || vm.resume().expect("resume"));
+    wait_flood_past(&vm, paused_at);
+    echo_other_vcpu(&vm, "echo on vCPU 1 after resume", 12);
+
+    // A full snapshot of the running, flooding VM (it pauses and resumes inside).
+    let snap = dir.path().join("snap-running");
+    let (r, _) = timed("full snapshot (running)", SNAPSHOT_DEADLINE, || {
+        vm.snapshot(&snap, SnapshotKind::Full)
+    });
+    r.expect("snapshot of the running VM");
+    assert!(!vm.is_paused());
+    wait_flood_past(&vm, flood_count(&vm));
+    echo_other_vcpu(&vm, "echo on vCPU 1 after the snapshot", 13);
+
+    // Stop, under the flood.
+    let (reason, _) = timed("stop", STOP_DEADLINE + STOP_MARGIN, || vm.stop());
+    assert_eq!(reason, ExitReason::Stopped, "console:\n{}", console.text());
+
+    // Each snapshot restores, the restored guest floods again, and the host controls it.
+    for (tag, snap) in [("paused", &snap_paused), ("running", &snap)] {
+        let mut o = RestoreOptions::new(MemoryBackend::Mmap);
+        o.scratch_dir = dir.path().to_path_buf();
+        let (r, _) = timed(&format!("restore ({tag})"), RESTORE_DEADLINE, || {
+            Vm::restore(snap, o)
+        });
+        let mut r = r.unwrap_or_else(|e| panic!("restore of the {tag} snapshot: {e}"));
+        wait_flood_past(&r, flood_count(&r));
+        echo_other_vcpu(&r, &format!("echo on vCPU 1, restored ({tag})"), 14);
+        timed(&format!("pause, restored ({tag})"), PAUSE_DEADLINE, || {
+            r.pause().expect("pause")
+        });
+        timed(
+            &format!("resume, restored ({tag})"),
+            RESUME_DEADLINE,
+            || r.resume().expect("resume"),
+        );
+        let (reason, _) = timed(
+            &format!("stop, restored ({tag})"),
+            STOP_DEADLINE + STOP_MARGIN,
+            || r.stop(),
+        );
+        assert_eq!(reason, ExitReason::Stopped, "restored ({tag})");
+    }
+}
