@@ -115,8 +115,9 @@ pub const CMD_RNG_READ: u32 = 14;
 /// again and again, the avail index bumped as soon as the device returns one, never
 /// more than a queue's worth ahead), writes QueueNotify on every pass whatever the
 /// device's NO_NOTIFY flag says, never idles and never acknowledges an interrupt.
-/// `Slot::counter` of vCPU 0 counts the chains the devices returned, so the host can
-/// see the flood run. vCPU 0 serves no command after this; the others do.
+/// `Slot::counter` of vCPU 0 counts the chains the devices returned, and the two
+/// words at [`flood_counts_gpa`] count them per device (blk, rng), so the host can see
+/// each queue served. vCPU 0 serves no command after this; the others do.
 pub const CMD_FLOOD: u32 = 15;
 /// `CMD_FLOOD` target: virtio-blk reads.
 pub const FLOOD_BLK: u64 = 1;
@@ -124,6 +125,14 @@ pub const FLOOD_BLK: u64 = 1;
 pub const FLOOD_RNG: u64 = 2;
 /// Bytes per virtio-rng request of `CMD_FLOOD`.
 pub const FLOOD_RNG_BYTES: u64 = 256;
+/// Bytes `CMD_FLOOD` uses from its gpa: blk data, rng data, the two counters.
+pub const fn flood_bytes(sectors: u64) -> u64 {
+    sectors * 512 + FLOOD_RNG_BYTES + 16
+}
+/// Where `CMD_FLOOD` keeps its per-device counters (two u64: blk chains, rng chains).
+pub const fn flood_counts_gpa(gpa: u64, sectors: u64) -> u64 {
+    gpa + sectors * 512 + FLOOD_RNG_BYTES
+}
 
 pub const STATUS_OK: u32 = 0;
 pub const STATUS_BAD_CMD: u32 = 1;

@@ -128,7 +128,8 @@ impl Mailbox {
             return done(STATUS_BAD_ARG);
         }
         if !(1..=blk::CHUNK).contains(&sectors)
-            || buffer(info, gpa, sectors * blk::SECTOR + FLOOD_RNG_BYTES).is_err()
+            || gpa % 8 != 0
+            || buffer(info, gpa, flood_bytes(sectors)).is_err()
         {
             return done(STATUS_BAD_ARG);
         }
@@ -150,19 +151,26 @@ impl Mailbox {
             r.flood_chain(gpa + sectors * blk::SECTOR, FLOOD_RNG_BYTES as u32);
             rng = Some(r);
         }
+        let counts = flood_counts_gpa(gpa, sectors) as *mut u64;
+        // SAFETY: checked above: host scratch RAM lent to this command, 8-byte aligned.
+        unsafe { counts.cast::<[u64; 2]>().write_volatile([0; 2]) };
         self.finish(c.seq, STATUS_OK, [targets, 0, 0, 0]);
         let counter = self.counter();
+        let mut total = [0u64; 2];
         loop {
-            let mut returned = 0;
-            if let Some(b) = blk.as_mut() {
-                returned += b.flood_pass();
+            let returned = [
+                blk.as_mut().map_or(0, |b| b.flood_pass()),
+                rng.as_mut().map_or(0, |r| r.flood_pass()),
+            ];
+            if returned == [0; 2] {
+                continue;
             }
-            if let Some(r) = rng.as_mut() {
-                returned += r.flood_pass();
-            }
-            if returned != 0 {
-                // SAFETY: the counter lives in this vCPU's slot; only this vCPU writes it.
-                unsafe { counter.write_volatile(counter.read_volatile() + returned) };
+            total = [total[0] + returned[0], total[1] + returned[1]];
+            // SAFETY: the counter lives in this vCPU's slot, only this vCPU writes it;
+            // `counts` as above.
+            unsafe {
+                counter.write_volatile(counter.read_volatile() + returned[0] + returned[1]);
+                counts.cast::<[u64; 2]>().write_volatile(total);
             }
         }
     }
