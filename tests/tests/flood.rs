@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use guest_abi::layout::TESTGUEST_SCRATCH;
 use guest_abi::mailbox as mb;
 use sprout_tests::{boot, call, config, TempDir, TIMEOUT};
+use vm_memory::{Bytes, GuestAddress};
 use vmm::mailbox::MailboxError;
 use vmm::{
     vm::STOP_DEADLINE, DiskConfig, ExitReason, MemoryBackend, RestoreOptions, SnapshotKind, Vm,
@@ -22,8 +23,11 @@ const CALL_DEADLINE: Duration = Duration::from_secs(2);
 const STOP_MARGIN: Duration = Duration::from_secs(1);
 /// Sectors per flooded blk read.
 const SECTORS: u64 = 8;
-/// Chains the devices must return to count as "the flood runs".
-const PROGRESS: u64 = 1000;
+/// Chains each device must return to count as "the flood runs".
+const PROGRESS: u64 = 20_000;
+/// Chains one device may return while the other returns none: 64 dispatches'
+/// worth at the devices' `MAX_CHAINS_PER_DISPATCH` (64).
+const STARVED: u64 = 4096;
 
 /// Runs `f`, asserts it took at most `deadline`, and returns its result and time.
 fn timed<T>(what: &str, deadline: Duration, f: impl FnOnce() -> T) -> (T, Duration) {
@@ -43,13 +47,32 @@ fn flood_count(vm: &Vm) -> u64 {
     vm.mailbox().unwrap().counter(0).unwrap()
 }
 
-/// Polls, within `TIMEOUT`, until the devices returned `PROGRESS` more chains than
-/// `from`: the flood runs (and the devices serve it).
+/// Chains each device (blk, rng) returned to the flood.
+fn device_counts(vm: &Vm) -> [u64; 2] {
+    let at = mb::flood_counts_gpa(TESTGUEST_SCRATCH, SECTORS);
+    vm.memory().read_obj(GuestAddress(at)).unwrap()
+}
+
+/// Polls, within `TIMEOUT`, until the devices returned `PROGRESS` more chains
+/// than `from`, and each device `PROGRESS` more than it had then: the flood runs.
+/// Between two polls, neither device may return `STARVED` chains while the other
+/// returns none: the guest refills and notifies both queues on every pass, so a
+/// device that is not served then is kept from the event loop by the other's
+/// dispatch (which `MAX_CHAINS_PER_DISPATCH` bounds).
 fn wait_flood_past(vm: &Vm, from: u64) -> u64 {
     let deadline = Instant::now() + TIMEOUT;
+    let each_from = device_counts(vm);
+    let mut last = each_from;
     loop {
         let n = flood_count(vm);
-        if n >= from + PROGRESS {
+        let each = device_counts(vm);
+        let step = [each[0] - last[0], each[1] - last[1]];
+        assert!(
+            !(step[0] >= STARVED && step[1] == 0 || step[1] >= STARVED && step[0] == 0),
+            "one device's flood starved the other: (blk, rng) returned {step:?} between two polls"
+        );
+        last = each;
+        if n >= from + PROGRESS && each.iter().zip(each_from).all(|(&e, f)| e >= f + PROGRESS) {
             return n;
         }
         if let Some(r) = vm.exit_reason() {
@@ -57,7 +80,8 @@ fn wait_flood_past(vm: &Vm, from: u64) -> u64 {
         }
         assert!(
             Instant::now() < deadline,
-            "the flood made no progress: {n} chains after {TIMEOUT:?}, from {from}"
+            "the flood made no progress: {n} chains after {TIMEOUT:?}, from {from}; \
+             per device (blk, rng) {each:?}, from {each_from:?}"
         );
         // A poll interval, not a wait for the condition: the loop checks it again.
         std::thread::sleep(Duration::from_millis(1));
