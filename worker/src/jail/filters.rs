@@ -171,3 +171,38 @@ pub fn owner() -> Vec<c_long> {
     v.dedup();
     v
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The owner's children inherit its filter: each kind's calls must
+    /// pass it, or that kind could never run them.
+    #[test]
+    fn the_owner_allows_what_every_kind_it_starts_needs() {
+        let owner = owner();
+        for (kind, list) in [
+            ("vcpu", VCPU),
+            ("events", EVENTS),
+            ("uffd", UFFD),
+            ("control", CONTROL),
+        ] {
+            for nr in list {
+                assert!(
+                    owner.contains(nr),
+                    "{kind}: syscall {nr} not in the owner's filter"
+                );
+            }
+        }
+        // Starting and confining a child.
+        for nr in [libc::SYS_clone3, libc::SYS_seccomp, libc::SYS_prctl] {
+            assert!(owner.contains(&nr));
+        }
+    }
+
+    #[test]
+    fn the_test_syscall_is_in_no_list() {
+        let all = [COMMON, VCPU, EVENTS, UFFD, CONTROL, OWNER_OWN].concat();
+        assert!(!all.contains(&libc::SYS_getppid));
+    }
+}

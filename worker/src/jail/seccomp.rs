@@ -286,3 +286,31 @@ fn install_handler() -> Result<(), SeccompError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_compiles_in_both_modes() {
+        for kind in [
+            Kind::Owner,
+            Kind::Control,
+            Kind::Vcpu,
+            Kind::Events,
+            Kind::Uffd,
+        ] {
+            for log_only in [false, true] {
+                let p = build(kind, log_only).unwrap();
+                assert!(!p.is_empty(), "{}", kind.name());
+            }
+        }
+    }
+
+    #[test]
+    fn the_sigsys_message_fits_its_buffer() {
+        let mut b = Buf { b: [0; 256], n: 0 };
+        let _ = write!(b, "{}", "x".repeat(300));
+        assert_eq!(b.n, 256);
+    }
+}
