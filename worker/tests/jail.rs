@@ -8,6 +8,8 @@
 //! never skip, without it.
 
 use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -165,6 +167,23 @@ fn devices(c: &mut Client, uds: &Path) {
     let mut got = [0u8; 16];
     s.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"through the jail");
+    // The guest connects out to a host listener (the events thread's
+    // socket and connect); the jail uid must be able to connect to it.
+    let port = 5000;
+    let path = PathBuf::from(format!("{}_{port}", uds.display()));
+    let _ = std::fs::remove_file(&path);
+    let l = UnixListener::bind(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let host = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = [0u8; 16];
+        s.read_exact(&mut buf).unwrap();
+        s.write_all(b"pong").unwrap();
+    });
+    let r = call(c, mb::CMD_VSOCK_SEND, [port, B, 16, 0]);
+    host.join().unwrap();
+    assert_eq!(r[0], 4, "the host's reply reached the guest");
+    let _ = std::fs::remove_file(&path);
 }
 
 #[test]

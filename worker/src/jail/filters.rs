@@ -48,7 +48,12 @@ pub const COMMON: &[c_long] = &[
 /// `sprout-vcpuN`: KVM_RUN and the vCPU-state ioctls (ioctl: KVM's request
 /// type only, see `seccomp.rs`), the exits it handles (serial console
 /// writes, eventfd notifications).
-pub const VCPU: &[c_long] = &[libc::SYS_ioctl, libc::SYS_read];
+pub const VCPU: &[c_long] = &[
+    libc::SYS_ioctl,
+    // Needed from boot on (refused, the first boot fails): device reads
+    // done in the exit handlers.
+    libc::SYS_read,
+];
 
 /// `sprout-events`: epoll, block I/O on the disk images and tops, the vsock
 /// Unix sockets, eventfds.
