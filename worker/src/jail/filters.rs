@@ -45,9 +45,9 @@ pub const COMMON: &[c_long] = &[
     libc::SYS_fcntl,
 ];
 
-/// `sprout-vcpuN`: KVM_RUN and the vCPU-state ioctls (ioctl: KVM's request
-/// type only, see `seccomp.rs`), the exits it handles (serial console
-/// writes, eventfd notifications).
+/// `sprout-vcpuN`: KVM_RUN and the vCPU-state ioctls (ioctl: those request
+/// numbers only, `VCPU_IOCTLS` in `seccomp.rs`), the exits it handles
+/// (serial console writes, eventfd notifications).
 pub const VCPU: &[c_long] = &[
     libc::SYS_ioctl,
     // Needed from boot on (refused, the first boot fails): device reads
