@@ -26,6 +26,7 @@ pub mod fault;
 pub mod format;
 pub mod layers;
 pub mod mmap;
+pub mod thread_hook;
 pub mod uffd;
 
 /// Size of a guest page, and of the chunks files are checksummed in.

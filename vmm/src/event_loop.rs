@@ -159,6 +159,7 @@ impl EventLoop {
         let thread = std::thread::Builder::new()
             .name("sprout-events".into())
             .spawn(move || {
+                crate::thread_hook::thread_started(crate::thread_hook::ThreadKind::Events);
                 while !stop.load(Ordering::SeqCst) {
                     if let Err(e) = em.run() {
                         log::error!("event loop: {e:?}");

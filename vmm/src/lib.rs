@@ -29,6 +29,7 @@ pub mod vm_state;
 
 /// The guest physical layout: every guest address the VMM uses comes from here.
 pub use guest_abi::layout;
+pub use snapshot::thread_hook;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig, DEFAULT_VSOCK_CONNECTIONS};
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};

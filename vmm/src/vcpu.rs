@@ -209,7 +209,10 @@ impl Vcpu {
         let (ack_tx, acks) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name(format!("sprout-vcpu{index}"))
-            .spawn(move || run_thread(index, fd, ctx, rx, ack_tx))
+            .spawn(move || {
+                crate::thread_hook::thread_started(crate::thread_hook::ThreadKind::Vcpu);
+                run_thread(index, fd, ctx, rx, ack_tx)
+            })
             .map_err(VcpuError::Spawn)?;
         Ok(Self {
             index,

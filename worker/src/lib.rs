@@ -11,6 +11,7 @@
 //! - [`spawn`]: starting detached workers and a pool of ready ones.
 
 pub mod client;
+pub mod jail;
 pub mod metrics;
 mod owner;
 pub mod protocol;
@@ -28,17 +29,19 @@ pub use server::{serve_vm, WorkerOptions};
 pub use spawn::{ReadyPool, WorkerCommand, WorkerProcess};
 
 pub const USAGE: &str = "usage: sprout-worker --socket PATH [--vcpus N --memory-mib M] \
-[--console FILE] [--scratch-dir DIR] [--foreground]";
+[--console FILE] [--scratch-dir DIR] [--foreground] [--jail [--jail-uid UID] [--jail-gid GID]]";
 
 /// The worker's command line (after any prefix such as `sprout worker`):
 /// `--socket PATH` (required); `--vcpus N --memory-mib M` make it a ready
 /// worker of that shape; `--console FILE` appends the guest console to FILE;
 /// `--scratch-dir DIR` holds restored disks' private tops; `--foreground`
-/// keeps it in the caller's session.
+/// keeps it in the caller's session; `--jail` (as root) runs it in its own
+/// mount namespace as `--jail-uid`/`--jail-gid` (default 65534, nobody)
+/// under a seccomp filter per thread (see [`jail`]).
 pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .try_init();
-    match parse(args).and_then(|(o, fg)| start(o, fg)) {
+    match parse(args).and_then(|(o, fg, jail)| start(o, fg, jail)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("sprout-worker: error: {e}");
@@ -47,12 +50,16 @@ pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     }
 }
 
-fn parse(args: impl IntoIterator<Item = OsString>) -> Result<(WorkerOptions, bool), String> {
+type Parsed = (WorkerOptions, bool, Option<jail::JailOptions>);
+
+fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, String> {
     let mut socket = None;
     let (mut vcpus, mut mem) = (None, None);
     let mut console: Option<PathBuf> = None;
     let mut scratch = None;
     let mut foreground = false;
+    let mut jailed = false;
+    let mut jail_ids = jail::JailOptions::default();
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         let a = a.to_string_lossy().into_owned();
@@ -81,6 +88,19 @@ fn parse(args: impl IntoIterator<Item = OsString>) -> Result<(WorkerOptions, boo
             "--console" => console = Some(PathBuf::from(val("--console")?)),
             "--scratch-dir" => scratch = Some(PathBuf::from(val("--scratch-dir")?)),
             "--foreground" => foreground = true,
+            "--jail" => jailed = true,
+            "--jail-uid" | "--jail-gid" => {
+                let v = val(&a)?;
+                let id = v
+                    .to_string_lossy()
+                    .parse::<u32>()
+                    .map_err(|_| format!("{a} {v:?} is not a number"))?;
+                if a == "--jail-uid" {
+                    jail_ids.uid = id;
+                } else {
+                    jail_ids.gid = id;
+                }
+            }
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
         }
@@ -110,6 +130,7 @@ fn parse(args: impl IntoIterator<Item = OsString>) -> Result<(WorkerOptions, boo
             scratch_dir: scratch,
         },
         foreground,
+        jailed.then_some(jail_ids),
     ))
 }
 
@@ -134,7 +155,11 @@ fn limit_open_files() {
     }
 }
 
-fn start(opts: WorkerOptions, foreground: bool) -> Result<ExitCode, String> {
+fn start(
+    opts: WorkerOptions,
+    foreground: bool,
+    jail: Option<jail::JailOptions>,
+) -> Result<ExitCode, String> {
     if !foreground {
         // Its own session: a signal to the starter's process group or the
         // end of its terminal does not reach the VM.
@@ -143,6 +168,10 @@ fn start(opts: WorkerOptions, foreground: bool) -> Result<ExitCode, String> {
         }
     }
     limit_open_files();
+    if let Some(j) = &jail {
+        // Before any thread: credentials are per thread.
+        jail::enter(j).map_err(|e| owner::chain(&e))?;
+    }
     let socket = opts.socket.clone();
     match server::run(opts) {
         Ok(Some(r)) => {

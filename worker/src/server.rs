@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use vmm::{ExitReason, SerialOutput, Vm, VmShell};
 
+use crate::jail::Kind;
 use crate::owner::{After, Owner, Slot};
 use crate::protocol::{
     read_frame, write_frame, ErrorCode, FrameError, Request, Response, Shape, WorkerError,
@@ -86,7 +87,11 @@ fn bind(path: &Path, tx: Sender<Event>) -> Result<Listener, ServerError> {
     let stop2 = stop.clone();
     std::thread::Builder::new()
         .name("sprout-ctl".into())
-        .spawn(move || accept_loop(l, tx, stop2))
+        .spawn(move || {
+            // Its connection threads inherit this filter.
+            crate::jail::apply_or_exit(Kind::Control);
+            accept_loop(l, tx, stop2)
+        })
         .map_err(ServerError::Thread)?;
     Ok(Listener {
         path: path.to_owned(),
@@ -196,7 +201,12 @@ pub fn run(opts: WorkerOptions) -> Result<Option<ExitReason>, ServerError> {
         started_at_ms,
         shape: opts.shape,
     };
-    Ok(serve(owner, rx, tx, listener))
+    // Socket bound, shell built: from here on the owner runs confined, and
+    // so (on top of their own filters) do the threads it starts.
+    crate::jail::apply_or_exit(Kind::Owner);
+    let forbidden = crate::jail::seccomp::active()
+        && std::env::var_os(crate::jail::TEST_FORBIDDEN_ENV).is_some_and(|v| v == "1");
+    Ok(serve(owner, rx, tx, listener, forbidden))
 }
 
 /// Serves a VM built by the caller (`sprout vm run --api-sock`) on `socket`
@@ -213,13 +223,14 @@ pub fn serve_vm(vm: Vm, socket: &Path, scratch_dir: &Path) -> Result<ExitReason,
         started_at_ms: now_ms(),
         shape: None,
     };
-    Ok(serve(owner, rx, tx, listener).unwrap_or(ExitReason::Stopped))
+    Ok(serve(owner, rx, tx, listener, false).unwrap_or(ExitReason::Stopped))
 }
 
 fn watch(exit: Arc<vmm::vcpu::ExitSignal>, tx: Sender<Event>) {
     let spawned = std::thread::Builder::new()
         .name("sprout-exitwatch".into())
         .spawn(move || {
+            crate::jail::apply_or_exit(Kind::Control);
             exit.wait(None);
             let _ = tx.send(Event::Exited);
         });
@@ -233,11 +244,15 @@ fn serve(
     rx: Receiver<Event>,
     tx: Sender<Event>,
     listener: Listener,
+    test_forbidden_syscall: bool,
 ) -> Option<ExitReason> {
     while let Ok(ev) = rx.recv() {
         match ev {
             Event::Exited => break,
             Event::Request(req, reply) => {
+                if test_forbidden_syscall {
+                    crate::jail::test_forbidden_syscall();
+                }
                 let what = req.name();
                 let t = std::time::Instant::now();
                 let (response, after) = owner.handle(req);

@@ -33,6 +33,8 @@ pub enum SpawnError {
 pub struct WorkerCommand {
     pub program: PathBuf,
     pub prefix: Vec<OsString>,
+    /// Start workers jailed (`--jail`): the caller must be root.
+    pub jail: Option<crate::jail::JailOptions>,
 }
 
 /// A started worker process.
@@ -54,6 +56,7 @@ impl WorkerCommand {
         Self {
             program: program.into(),
             prefix: Vec::new(),
+            jail: None,
         }
     }
 
@@ -62,7 +65,14 @@ impl WorkerCommand {
         Ok(Self {
             program: std::env::current_exe()?,
             prefix: prefix.iter().map(OsString::from).collect(),
+            jail: None,
         })
+    }
+
+    /// The same program, its workers jailed as `uid`/`gid`.
+    pub fn jailed(mut self, uid: u32, gid: u32) -> Self {
+        self.jail = Some(crate::jail::JailOptions { uid, gid });
+        self
     }
 
     /// Starts a worker on `socket`, ready for a restore of `shape` when given
@@ -84,6 +94,13 @@ impl WorkerCommand {
         }
         if let Some(p) = console {
             c.arg("--console").arg(p);
+        }
+        if let Some(j) = self.jail {
+            c.arg("--jail")
+                .arg("--jail-uid")
+                .arg(j.uid.to_string())
+                .arg("--jail-gid")
+                .arg(j.gid.to_string());
         }
         // Detached: it must hold none of our pipes open (a caller reading our
         // output to its end would wait for the worker's). Its diagnostics go

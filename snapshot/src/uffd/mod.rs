@@ -192,7 +192,10 @@ impl UffdRestore {
         shared.running.store(true, Relaxed);
         let thread = std::thread::Builder::new()
             .name("sprout-uffd".into())
-            .spawn(move || server.run())
+            .spawn(move || {
+                crate::thread_hook::thread_started(crate::thread_hook::ThreadKind::Uffd);
+                server.run()
+            })
             .map_err(|e| {
                 shared.running.store(false, Relaxed);
                 UffdError::Spawn(e)

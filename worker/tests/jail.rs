@@ -1,0 +1,322 @@
+//! Jailed workers (`--jail`), under real KVM with the test guest: each runs
+//! as nobody in its own mount namespace under per-thread seccomp filters
+//! and still boots, snapshots, writes and restores fork layers, restores by
+//! uffd, moves disk and vsock traffic; a worker whose filter refuses a
+//! syscall dies alone, saying which.
+//!
+//! These tests need root (the jail drops from root to nobody); they fail,
+//! never skip, without it.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
+use guest_abi::mailbox as mb;
+use sprout_tests::{host_connect, pattern_checksum, require_kvm, testguest, TempDir};
+use sprout_worker::jail::{DEFAULT_GID, DEFAULT_UID, SECCOMP_EXIT};
+use sprout_worker::protocol::{Backend, BootSpec, RestoreSpec, Shape, WorkerState};
+use sprout_worker::{Client, ReadyPool, WorkerCommand, WorkerProcess};
+
+const A: u64 = TESTGUEST_SCRATCH;
+const B: u64 = TESTGUEST_SCRATCH + 32 * MIB;
+const T: Duration = Duration::from_secs(60);
+const SHAPE: Shape = Shape {
+    vcpus: 2,
+    mem_mib: 256,
+};
+
+fn require_root() {
+    let euid = rustix::process::geteuid().as_raw();
+    assert_eq!(
+        euid, 0,
+        "the jail tests need root: a jailed worker drops from root to nobody \
+         (run them as root, as CI does)"
+    );
+    require_kvm();
+}
+
+fn cmd() -> WorkerCommand {
+    WorkerCommand::new(env!("CARGO_BIN_EXE_sprout-worker")).jailed(DEFAULT_UID, DEFAULT_GID)
+}
+
+/// A directory the jail uid may write (sockets, snapshots, scratch).
+fn jail_dir(tag: &str) -> TempDir {
+    let d = TempDir::new(tag);
+    chown(d.path());
+    d
+}
+
+fn chown(p: &Path) {
+    rustix::fs::chown(
+        p,
+        Some(rustix::fs::Uid::from_raw(DEFAULT_UID)),
+        Some(rustix::fs::Gid::from_raw(DEFAULT_GID)),
+    )
+    .unwrap();
+}
+
+fn sub(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::create_dir(&p).unwrap();
+    chown(&p);
+    p
+}
+
+fn call(c: &mut Client, cmd: u32, args: [u64; 4]) -> [u64; 4] {
+    let (status, rets) = c.mailbox(0, cmd, args, T).expect("mailbox call");
+    assert_eq!(status, 0, "mailbox status for command {cmd}");
+    rets
+}
+
+/// The lines of `/proc/<pid>/status` that show the jail.
+fn jail_status(pid: u32) -> Vec<String> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .filter(|l| {
+            [
+                "Uid:",
+                "Gid:",
+                "CapEff:",
+                "CapPrm:",
+                "NoNewPrivs:",
+                "Seccomp:",
+            ]
+            .iter()
+            .any(|k| l.starts_with(k))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+fn assert_jailed(pid: u32) {
+    let st = jail_status(pid);
+    eprintln!("worker {pid}: {st:?}");
+    for want in [
+        "Seccomp:\t2",
+        "CapEff:\t0000000000000000",
+        "CapPrm:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "Uid:\t65534\t65534\t65534\t65534",
+        "Gid:\t65534\t65534\t65534\t65534",
+    ] {
+        assert!(st.iter().any(|l| l == want), "{want:?} not in {st:?}");
+    }
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).unwrap();
+    assert_ne!(ns(&pid.to_string()), ns("self"), "its own mount namespace");
+}
+
+/// A jailed worker booted with the test guest, with a disk and vsock.
+fn boot(dir: &Path) -> (WorkerProcess, PathBuf) {
+    let disk = dir.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    chown(&disk);
+    let uds = dir.join("vsock.sock");
+    let mut c = vmm::VmConfig::new(testguest());
+    c.vcpus = SHAPE.vcpus;
+    c.mem_mib = SHAPE.mem_mib;
+    c.disks = vec![vmm::DiskConfig {
+        path: disk,
+        read_only: false,
+        id: "jail0".into(),
+    }];
+    c.vsock = Some(vmm::VsockConfig {
+        guest_cid: 42,
+        uds_path: uds.clone(),
+    });
+    c.rng = true;
+    let mut w = cmd()
+        .spawn(
+            &dir.join("parent.sock"),
+            None,
+            Some(&dir.join("parent.console")),
+        )
+        .expect("jailed worker starts");
+    w.client
+        .call(&sprout_worker::Request::Boot(BootSpec {
+            spec: c.spec(),
+            instance_id: Some(0x1a11),
+        }))
+        .expect("boot");
+    (w, uds)
+}
+
+fn spec(dir: &Path, backend: Backend, vsock_uds: PathBuf) -> RestoreSpec {
+    RestoreSpec {
+        dir: dir.to_owned(),
+        backend,
+        vsock_uds: Some(vsock_uds),
+        instance_id: None,
+        prefetch: false,
+    }
+}
+
+/// Disk, rng and vsock traffic through the jailed VM's event loop.
+fn devices(c: &mut Client, uds: &Path) {
+    call(c, mb::CMD_FILL, [B, 1, 9, 0]);
+    call(c, mb::CMD_BLK_WRITE, [0, 8, B, 8]);
+    call(c, mb::CMD_BLK_FLUSH, [0, 0, 0, 0]);
+    call(c, mb::CMD_BLK_READ, [0, 8, B + 8 * 4096, 8]);
+    call(c, mb::CMD_RNG_READ, [B, 64, 0, 0]);
+    let mut s = host_connect(uds, mb::VSOCK_ECHO_PORT);
+    s.write_all(b"through the jail").unwrap();
+    let mut got = [0u8; 16];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"through the jail");
+    // The guest connects out to a host listener (the events thread's
+    // socket and connect); the jail uid must be able to connect to it.
+    let port = 5000;
+    let path = PathBuf::from(format!("{}_{port}", uds.display()));
+    let _ = std::fs::remove_file(&path);
+    let l = UnixListener::bind(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let host = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = [0u8; 16];
+        s.read_exact(&mut buf).unwrap();
+        s.write_all(b"pong").unwrap();
+    });
+    let r = call(c, mb::CMD_VSOCK_SEND, [port, B, 16, 0]);
+    host.join().unwrap();
+    assert_eq!(r[0], 4, "the host's reply reached the guest");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_jailed_worker_boots_snapshots_and_forks_into_jailed_ready_workers() {
+    require_root();
+    let dir = jail_dir("jail-fork");
+    let (mut parent, uds) = boot(dir.path());
+    assert_jailed(parent.pid());
+    call(&mut parent.client, mb::CMD_FILL, [A, 64, 1, 0]);
+    devices(&mut parent.client, &uds);
+    parent.client.pause().unwrap();
+    parent.client.resume().unwrap();
+    // Made by the worker, in a directory the jail uid may write.
+    let full = dir.path().join("full");
+    let diff = dir.path().join("diff");
+    parent.client.pause().unwrap();
+    parent.client.snapshot(&full, false).expect("full snapshot");
+    parent.client.resume().unwrap();
+    call(&mut parent.client, mb::CMD_FILL, [A, 8, 2, 0]);
+    parent.client.pause().unwrap();
+    parent.client.snapshot(&diff, true).expect("diff snapshot");
+    parent.client.resume().unwrap();
+    let m = parent.client.metrics().expect("metrics");
+    assert!(m.rss_kib > 0, "{m:?}");
+    let scratch = sub(dir.path(), "layers");
+    let layer = parent
+        .client
+        .write_fork_layer(&scratch)
+        .expect("fork layer");
+
+    let mut pool = ReadyPool::new(cmd(), dir.path(), SHAPE);
+    pool.fill(2).expect("jailed ready workers");
+    let mut kid = pool.take().unwrap();
+    assert_jailed(kid.pid());
+    kid.client
+        .restore_fork_layer(spec(
+            &layer.dir,
+            Backend::Mmap,
+            dir.path().join("kid.vsock"),
+        ))
+        .expect("the jailed child restores the fork layer");
+    let d = kid.client.describe().unwrap();
+    assert_eq!((d.state, d.pid), (WorkerState::Running, kid.pid()));
+    let r = call(&mut kid.client, mb::CMD_CHECKSUM, [A + 8 * 4096, 56, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(1, A + 8 * 4096, 56));
+    devices(&mut kid.client, &dir.path().join("kid.vsock"));
+    assert_jailed(kid.pid());
+
+    // uffd: a durable diff snapshot restored into a jailed ready shell.
+    let mut u = pool.take().unwrap();
+    u.client
+        .restore(spec(&diff, Backend::Uffd, dir.path().join("u.vsock")))
+        .expect("uffd restore into a jailed ready worker");
+    let r = call(&mut u.client, mb::CMD_CHECKSUM, [A, 8, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(2, A, 8));
+    devices(&mut u.client, &dir.path().join("u.vsock"));
+    let m = u.client.metrics().unwrap();
+    assert!(m.uffd_faults.is_some(), "{m:?}");
+
+    // A diff fork layer, restored into a jailed empty worker (no shell: it
+    // builds its VM after the jail), then a guest reset ends it cleanly.
+    call(&mut parent.client, mb::CMD_FILL, [B, 4, 3, 0]);
+    let layer2 = parent
+        .client
+        .write_fork_layer(&scratch)
+        .expect("diff fork layer");
+    assert!(layer2.diff, "{layer2:?}");
+    let mut e = cmd()
+        .spawn(&dir.path().join("empty.sock"), None, None)
+        .expect("jailed empty worker");
+    e.client
+        .restore_fork_layer(spec(&layer2.dir, Backend::Mmap, dir.path().join("e.vsock")))
+        .expect("restore into an empty jailed worker");
+    let r = call(&mut e.client, mb::CMD_CHECKSUM, [B, 4, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(3, B, 4));
+    let _ = e.client.mailbox(0, mb::CMD_RESET, [0; 4], T);
+    let st = e.child.wait().unwrap();
+    assert!(st.success(), "a jailed worker ends with its VM: {st:?}");
+
+    // A durable full snapshot, mmap-restored into an empty jailed worker.
+    let mut m = cmd()
+        .spawn(&dir.path().join("mmap.sock"), None, None)
+        .expect("jailed empty worker");
+    m.client
+        .restore(spec(&full, Backend::Mmap, dir.path().join("m.vsock")))
+        .expect("mmap restore");
+    let r = call(&mut m.client, mb::CMD_CHECKSUM, [A, 64, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(1, A, 64));
+
+    for mut w in [parent, kid, u, m] {
+        w.client.stop().unwrap();
+        let st = w.child.wait().unwrap();
+        assert!(st.success(), "a jailed worker stops cleanly: {st:?}");
+        assert!(!w.socket.exists());
+    }
+}
+
+#[test]
+fn a_refused_syscall_ends_that_worker_alone_and_says_which() {
+    require_root();
+    let dir = jail_dir("jail-sigsys");
+    let mut pool = ReadyPool::new(cmd(), dir.path(), SHAPE);
+    let mut sibling = pool.take().expect("a jailed sibling");
+    let sock = dir.path().join("doomed.sock");
+    let log = dir.path().join("doomed.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sprout-worker"))
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--jail")
+        .env("SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut c = Client::connect_wait(&sock, T).expect("it comes up");
+    assert!(c.describe().is_err(), "it dies on its first request");
+    let st = child.wait().unwrap();
+    assert_eq!(
+        st.code(),
+        Some(SECCOMP_EXIT),
+        "{st:?} (signal {:?})",
+        st.signal()
+    );
+    let msg = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        msg.contains("forbidden syscall")
+            && msg.contains("(getppid)")
+            && msg.contains("owner filter"),
+        "stderr: {msg}"
+    );
+    // Its sibling answers on.
+    assert_eq!(sibling.client.describe().unwrap().state, WorkerState::Ready);
+    sibling.client.stop().unwrap();
+    sibling.child.wait().unwrap();
+}
