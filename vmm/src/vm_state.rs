@@ -93,13 +93,25 @@ impl VmState {
             .map_err(StateBlobError::Decode)
     }
 
-    /// Decodes a blob of this build's version.
+    /// Decodes a blob of this build's version, exactly as this build writes it.
+    ///
+    /// Anything else is refused as corrupt: trailing bytes, overlong varints and,
+    /// above all, KVM structures of the wrong length, which kvm-bindings' serde
+    /// would otherwise zero-fill (when short) or truncate (when long) and hand to
+    /// KVM as if they were state. Checked by re-encoding: a real blob re-encodes
+    /// byte for byte (see the golden test).
     pub fn decode(bytes: &[u8]) -> Result<VmState, StateBlobError> {
         let found = Self::version_of(bytes)?;
         if found != STATE_VERSION {
             return Err(StateBlobError::Version { found });
         }
-        postcard::from_bytes(bytes).map_err(StateBlobError::Decode)
+        let st: VmState = postcard::from_bytes(bytes).map_err(StateBlobError::Decode)?;
+        if st.encode()? != bytes {
+            return Err(StateBlobError::Decode(
+                postcard::Error::DeserializeBadEncoding,
+            ));
+        }
+        Ok(st)
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, StateBlobError> {
@@ -126,6 +138,47 @@ mod tests {
         blob.push(0xff);
         assert!(matches!(
             VmState::decode(&blob).err().unwrap(),
+            StateBlobError::Decode(_)
+        ));
+    }
+
+    /// Found by the `state_blob` fuzz target: a KVM structure of the wrong
+    /// length (kvm-bindings' serde zero-fills a short one and truncates a long
+    /// one) and trailing bytes decoded as if the blob were whole.
+    #[test]
+    fn only_the_exact_encoding_decodes() {
+        let golden: &[u8] = include_bytes!("../../tests/golden/state.bin");
+        let st = VmState::decode(golden).unwrap();
+        let cpu = &st.vcpus[0];
+        // Everything before vCPU 0's registers, then the registers (a length
+        // varint and the raw struct).
+        let head =
+            postcard::to_allocvec(&(st.version, &st.spec, &st.entry, &st.arch, 1u8)).unwrap();
+        let head = [
+            head,
+            postcard::to_allocvec(&(&cpu.cpuid, &cpu.msrs)).unwrap(),
+        ]
+        .concat();
+        let regs = postcard::to_allocvec(&cpu.regs).unwrap();
+        assert!(golden.starts_with(&head));
+        assert!(golden[head.len()..].starts_with(&regs));
+        let raw = &regs[regs.len() - std::mem::size_of_val(&cpu.regs)..];
+        let tail = &golden[head.len() + regs.len()..];
+        let with_regs = |r: &[u8]| [&head, &postcard::to_allocvec(r).unwrap(), tail].concat();
+        assert!(VmState::decode(&with_regs(raw)).is_ok());
+        let short = with_regs(&raw[..raw.len() - 8]);
+        assert!(matches!(
+            VmState::decode(&short).err().unwrap(),
+            StateBlobError::Decode(_)
+        ));
+        let long = with_regs(&[raw, &[0u8; 8]].concat());
+        assert!(matches!(
+            VmState::decode(&long).err().unwrap(),
+            StateBlobError::Decode(_)
+        ));
+        let trailing = [golden, &[0]].concat();
+        assert!(matches!(
+            VmState::decode(&trailing).err().unwrap(),
             StateBlobError::Decode(_)
         ));
     }

@@ -32,6 +32,30 @@ pub(crate) use digest::{data_extents, digest_bytes, is_zero, SparseHasher};
 pub(crate) use manifest::random_u128;
 pub(crate) use verify::read_page_map;
 
+/// The crate-private manifest parser, for the `fuzz/` crate only: not an API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::path::Path;
+
+    use super::{manifest, Manifest, SnapshotError, MANIFEST_FILE};
+
+    /// `manifest.json`'s parser, as [`super::Snapshot::load`] runs it.
+    pub fn decode_manifest(bytes: &[u8]) -> Result<Manifest, SnapshotError> {
+        manifest::decode(bytes, Path::new(MANIFEST_FILE))
+    }
+
+    /// The bytes the snapshot writer writes for `m`.
+    pub fn encode_manifest(m: &Manifest) -> Vec<u8> {
+        manifest::encode(m).0
+    }
+
+    /// Puts the checksum the parser expects into `bytes`, where it looks for
+    /// it; false if there is no place for one.
+    pub fn seal_manifest(bytes: &mut [u8]) -> bool {
+        manifest::seal(bytes)
+    }
+}
+
 /// The manifest's file name.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The state blob's file name.
