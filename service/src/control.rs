@@ -29,7 +29,7 @@ const REFRESH_TIMEOUT: Duration = Duration::from_secs(180);
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
     #[error("Cannot connect to {0}")]
-    Connect(PathBuf, #[source] ClientError),
+    Connect(PathBuf, #[source] std::io::Error),
     #[error(transparent)]
     Worker(#[from] ClientError),
     #[error("{0}")]
@@ -56,7 +56,10 @@ pub fn connect(sock: &Path) -> Result<Client, ControlError> {
     }
     Client::connect_wait(sock, Duration::from_millis(500))
         .or_else(|_| Client::connect(sock))
-        .map_err(|e| ControlError::Connect(sock.to_owned(), e))
+        .map_err(|e| match e {
+            ClientError::Connect(_, io) => ControlError::Connect(sock.to_owned(), io),
+            other => ControlError::Worker(other),
+        })
 }
 
 fn usage(s: impl Into<String>) -> ControlError {

@@ -176,15 +176,11 @@ impl Owner {
             Request::RestoreForkLayer(spec) => self.restore(spec, true),
             Request::Pause => {
                 // The VM's run state refuses an impossible transition.
-                self.vm()?
-                    .pause()
-                    .map_err(|e| err(vm_code(&e), format!("Cannot pause: {}", chain(&e))))?;
+                self.vm()?.pause().map_err(|e| vm_failed("pause", &e))?;
                 ok(After::Continue)
             }
             Request::Resume => {
-                self.vm()?
-                    .resume()
-                    .map_err(|e| err(vm_code(&e), format!("Cannot resume: {}", chain(&e))))?;
+                self.vm()?.resume().map_err(|e| vm_failed("resume", &e))?;
                 ok(After::Continue)
             }
             Request::Snapshot { dir, diff } => {
@@ -291,5 +287,14 @@ impl Owner {
         let exit = vm.exit_signal();
         self.slot = Slot::Vm(Box::new(vm));
         Ok((Response::Ok, After::Watch(exit)))
+    }
+}
+
+/// A failed pause or resume: an invalid transition already says what was
+/// refused ("Cannot pause: the VM is paused"); anything else gets the operation.
+fn vm_failed(op: &str, e: &VmError) -> Response {
+    match e {
+        VmError::InvalidState(_) => err(vm_code(e), chain(e)),
+        _ => err(vm_code(e), format!("Cannot {op}: {}", chain(e))),
     }
 }

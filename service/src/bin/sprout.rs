@@ -331,7 +331,10 @@ fn send(sock: &std::path::Path, words: &[&str]) -> Result<bool> {
 }
 
 fn ctl(a: CtlArgs) -> Result<bool> {
-    println!("{}", service::control::command(&a.api_sock, &a.command)?);
+    let out = service::control::command(&a.api_sock, &a.command)?;
+    if !out.is_empty() {
+        println!("{out}");
+    }
     Ok(true)
 }
 
