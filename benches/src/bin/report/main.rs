@@ -5,6 +5,8 @@
 //! (default: all, 200 runs for the VM core, 30 for snapshots). `workers`
 //! measures fork and restore across worker processes beside the same
 //! in-process; this binary is its own worker (`report worker ...`).
+//! With `--json`, one JSON object a row (`{"name", "runs", "p50_ms",
+//! "p99_ms", "min_ms", "max_ms"}`) follows the table, to compare commits.
 
 use std::time::{Duration, Instant};
 
@@ -18,6 +20,9 @@ fn config(console: &ConsoleBuffer, vcpus: u8) -> VmConfig {
     c.serial = SerialOutput::Buffer(console.clone());
     c
 }
+
+/// The rows' JSON lines, printed after the table with `--json`.
+static JSON: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 fn row(name: &str, mut v: Vec<Duration>) {
     v.sort();
@@ -34,6 +39,18 @@ fn row(name: &str, mut v: Vec<Duration>) {
         ms(v[0]),
         ms(v[v.len() - 1])
     );
+    let f = |d: Duration| (d.as_secs_f64() * 1e6).round() / 1e3;
+    // Keys in this order, for people reading the lines too.
+    let line = format!(
+        "{{\"name\":{},\"runs\":{},\"p50_ms\":{},\"p99_ms\":{},\"min_ms\":{},\"max_ms\":{}}}",
+        serde_json::Value::from(name),
+        v.len(),
+        f(pct(0.5)),
+        f(pct(0.99)),
+        f(v[0]),
+        f(v[v.len() - 1])
+    );
+    JSON.lock().unwrap_or_else(|p| p.into_inner()).push(line);
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,7 +63,10 @@ fn main() -> anyhow::Result<()> {
             1
         });
     }
-    let runs: Option<usize> = std::env::args().nth(2).map(|s| s.parse()).transpose()?;
+    let json = std::env::args().any(|a| a == "--json");
+    let mut pos = std::env::args().skip(1).filter(|a| a != "--json");
+    let what = pos.next().unwrap_or_else(|| "all".into());
+    let runs: Option<usize> = pos.next().map(|s| s.parse()).transpose()?;
     println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");
     println!("| --- | --- | --- | --- | --- | --- |");
     if what == "vm" || what == "all" {
@@ -60,6 +80,12 @@ fn main() -> anyhow::Result<()> {
     }
     if what == "workers" || what == "all" {
         workers::run(runs.unwrap_or(30))?;
+    }
+    if json {
+        println!();
+        for l in JSON.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            println!("{l}");
+        }
     }
     Ok(())
 }
