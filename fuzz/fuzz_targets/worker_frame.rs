@@ -28,6 +28,8 @@ struct Largest;
 
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
 
+// SAFETY: every method forwards to the system allocator unchanged; the only
+// addition is an atomic maximum, which allocates nothing.
 unsafe impl GlobalAlloc for Largest {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         LARGEST.fetch_max(l.size(), Ordering::Relaxed);
