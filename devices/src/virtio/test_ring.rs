@@ -80,3 +80,31 @@ impl Ring {
             .collect()
     }
 }
+
+/// Dispatches until one ends without re-kicking (bounded by `pending + 1`
+/// rounds), and checks each served a full budget and re-kicked, but the last,
+/// which served the rest: what a bounded dispatch of `pending` chains does.
+/// `dispatch` serves once and says how many chains it took.
+pub fn assert_bounded_dispatches(
+    pending: usize,
+    kick: &vmm_sys_util::eventfd::EventFd,
+    mut dispatch: impl FnMut() -> usize,
+) {
+    use crate::virtio::MAX_CHAINS_PER_DISPATCH;
+    assert!(
+        pending > 2 * MAX_CHAINS_PER_DISPATCH,
+        "offer more than the budget"
+    );
+    let mut dispatches = Vec::new();
+    loop {
+        let served = dispatch();
+        let rekicked = kick.read().is_ok();
+        dispatches.push((served, rekicked));
+        if !rekicked || dispatches.len() > pending {
+            break;
+        }
+    }
+    let mut expected = vec![(MAX_CHAINS_PER_DISPATCH, true); pending / MAX_CHAINS_PER_DISPATCH];
+    expected.push((pending % MAX_CHAINS_PER_DISPATCH, false));
+    assert_eq!(dispatches, expected);
+}

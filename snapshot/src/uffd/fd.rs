@@ -82,13 +82,13 @@ impl Uffd {
     /// kernel reads it with `copy_from_user` and fails with EFAULT if it is
     /// not readable.
     pub(super) fn copy(&self, dst: usize, src: *const u8, len: usize) -> Fill {
-        // SAFETY: the kernel fills only missing pages (never replacing a
-        // present one: EEXIST) and only inside ranges registered with this
-        // descriptor (ENOENT elsewhere). The only range ever registered is a
-        // restore's anonymous guest RAM (`register_missing` takes the
-        // `AnonMap`), which no Rust reference points into: it is reached by
-        // raw pointer only, by the guest, KVM and the caller. `src` is read
-        // by the kernel with `copy_from_user`, so a bad one is EFAULT, not UB.
+        // The kernel fills only missing pages (never replacing a present
+        // one: EEXIST) and only inside ranges registered with this
+        // descriptor (ENOENT elsewhere); `src` is read with
+        // `copy_from_user`, so a bad one is EFAULT, not UB.
+        // SAFETY: the only range ever registered is a restore's anonymous
+        // guest RAM (`register_missing` takes the `AnonMap`), which no Rust
+        // reference points into: only the guest, KVM and raw pointers reach it.
         let r = unsafe { self.0.copy(src.cast(), addr(dst), len, true) };
         match r {
             Ok(_) => Fill::Done,

@@ -98,19 +98,10 @@ mod tests {
         for _ in 0..pending {
             ring.offer(&mem, &flush, 0);
         }
-        let mut dispatches = Vec::new();
-        loop {
-            let served = b.process_queue().unwrap();
-            let rekicked = b.queue_events()[0].read().is_ok();
-            dispatches.push((served, rekicked));
-            if !rekicked || dispatches.len() > pending {
-                break;
-            }
-        }
-        let full = pending / MAX_CHAINS_PER_DISPATCH;
-        let mut expected = vec![(MAX_CHAINS_PER_DISPATCH, true); full];
-        expected.push((pending % MAX_CHAINS_PER_DISPATCH, false));
-        assert_eq!(dispatches, expected);
+        let kick = b.queue_events()[0].try_clone().unwrap();
+        crate::virtio::test_ring::assert_bounded_dispatches(pending, &kick, || {
+            b.process_queue().unwrap()
+        });
         assert_eq!(ring.used(&mem).len(), pending);
         assert_eq!(status(&mem), VIRTIO_BLK_S_OK);
     }

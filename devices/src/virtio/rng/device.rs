@@ -161,7 +161,7 @@ impl VirtioDevice for Rng {
 mod tests {
     use super::*;
     use crate::virtio::test_ring::Ring;
-    use crate::virtio::{INT_CONFIG, INT_VRING, MAX_CHAINS_PER_DISPATCH};
+    use crate::virtio::{INT_CONFIG, INT_VRING};
     use virtio_bindings::bindings::virtio_ring::{
         VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
     };
@@ -345,19 +345,10 @@ mod tests {
         for _ in 0..pending {
             ring.offer(&mem, &[desc(BUF, 16, W, 0)], 0);
         }
-        let mut dispatches = Vec::new();
-        loop {
-            let served = rng.process_queue().unwrap();
-            let rekicked = rng.queue_events()[0].read().is_ok();
-            dispatches.push((served, rekicked));
-            if !rekicked || dispatches.len() > pending {
-                break;
-            }
-        }
-        let full = pending / MAX_CHAINS_PER_DISPATCH;
-        let mut expected = vec![(MAX_CHAINS_PER_DISPATCH, true); full];
-        expected.push((pending % MAX_CHAINS_PER_DISPATCH, false));
-        assert_eq!(dispatches, expected);
+        let kick = rng.queue_events()[0].try_clone().unwrap();
+        crate::virtio::test_ring::assert_bounded_dispatches(pending, &kick, || {
+            rng.process_queue().unwrap()
+        });
         assert_eq!(ring.used(&mem).len(), pending);
     }
 }
