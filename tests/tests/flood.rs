@@ -212,3 +212,82 @@ fn host_controls_a_vm_whose_guest_floods_blk_and_rng() {
         assert_eq!(reason, ExitReason::Stopped, "restored ({tag})");
     }
 }
+
+/// KVM completes an MMIO or port access (the register load, the instruction
+/// pointer step) only on the next `KVM_RUN`. A vCPU asked to pause right after
+/// such an exit must complete it before parking, or its saved state would make
+/// a restored vCPU redo the access. A 4 MiB `CMD_PRINT` keeps vCPU 1 in serial
+/// MMIO exits (one per byte): many pauses land right after one, and each must
+/// have gone through the parking `KVM_RUN` (its last return is `interrupted`,
+/// never the access's exit). Without that step the last exit is the access.
+#[test]
+fn a_pause_right_after_an_mmio_exit_completes_the_access_first() {
+    const LEN: usize = 4 << 20;
+    let (cfg, console) = config(2, 256);
+    let mut vm = boot(cfg, &console);
+    vm.memory()
+        .write_slice(&vec![b'.'; LEN], GuestAddress(TESTGUEST_SCRATCH))
+        .unwrap();
+    // Start the print and leave it running: the call gives up at once.
+    let e = vm
+        .mailbox()
+        .unwrap()
+        .call(
+            1,
+            mb::CMD_PRINT,
+            [TESTGUEST_SCRATCH, LEN as u64, 0, 0],
+            Duration::from_millis(1),
+        )
+        .unwrap_err();
+    assert!(matches!(e, MailboxError::Timeout { cpu: 1, .. }), "{e}");
+
+    // Enough pauses that some land right after an MMIO exit, however the
+    // machine is loaded; bounded by TIMEOUT (and by the print's end).
+    let deadline = Instant::now() + TIMEOUT;
+    let (mut pauses, mut after_mmio) = (0u32, 0u32);
+    while (pauses < 200 || after_mmio < 20) && Instant::now() < deadline {
+        vm.pause().expect("pause");
+        pauses += 1;
+        let reports = vm.inspect_vcpus();
+        let v1 = &reports[1];
+        assert!(!v1.in_kvm_run, "{v1}");
+        assert_eq!(
+            v1.last_exit, "interrupted",
+            "vCPU 1 parked without completing its last access: {v1}"
+        );
+        assert!(v1.regs.is_some(), "{v1}");
+        if v1.parked_after.starts_with("mmio") {
+            after_mmio += 1;
+        }
+        vm.resume().expect("resume");
+    }
+    eprintln!("park: {after_mmio} of {pauses} pauses came right after an MMIO exit");
+    assert!(
+        after_mmio >= 20,
+        "only {after_mmio} of {pauses} pauses came right after an MMIO exit: \
+         the test did not exercise the case"
+    );
+
+    // Inspecting a running VM pauses it for a moment and leaves it running.
+    let reports = vm.inspect_vcpus();
+    assert_eq!(reports.len(), 2);
+    for r in &reports {
+        let regs = r
+            .regs
+            .as_ref()
+            .unwrap_or_else(|| panic!("no registers: {r}"));
+        assert_ne!(regs.rip, 0, "{r}");
+        assert!(r.kvm_run_entries > 0, "{r}");
+    }
+    assert!(!vm.is_paused());
+    let before = vm.inspect_vcpus()[1].kvm_run_entries;
+    let printing = Instant::now() + TIMEOUT;
+    while vm.inspect_vcpus()[1].kvm_run_entries == before {
+        assert!(
+            Instant::now() < printing,
+            "vCPU 1 stopped running after the inspections"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(vm.stop(), ExitReason::Stopped);
+}

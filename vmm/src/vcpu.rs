@@ -4,9 +4,18 @@
 //! `immediate_exit`, so `KVM_RUN` returns (or never enters) and the thread
 //! looks at its channel. No kick is lost: the flag stays set until the thread
 //! has drained its commands.
+//!
+//! A vCPU parks only with its last exit completed: KVM finishes an MMIO read,
+//! a port read or a port write (the register load, the instruction pointer
+//! step) on the next `KVM_RUN`, not when it exits to us. Saved state read
+//! before that would make a restored vCPU redo the access (a second read of a
+//! register whose read has side effects, a repeated port write). So before it
+//! parks, the thread enters `KVM_RUN` once more with `immediate_exit` set,
+//! which completes the access and returns without running guest code.
 
 use std::cell::Cell;
 use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex, Once};
 use std::thread::JoinHandle;
@@ -137,6 +146,121 @@ enum Ack {
     Saved(Result<Box<VcpuState>, StateError>),
 }
 
+/// The last exit a vCPU thread handled, as [`VcpuStats::last_exit`] keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ExitKind {
+    None = 0,
+    IoIn,
+    IoOut,
+    MmioRead,
+    MmioWrite,
+    Hlt,
+    /// `KVM_RUN` returned EINTR or EAGAIN (a kick, or a signal).
+    Interrupted,
+    Other,
+}
+
+impl ExitKind {
+    fn from_u8(v: u8) -> Self {
+        use ExitKind::*;
+        [None, IoIn, IoOut, MmioRead, MmioWrite, Hlt, Interrupted]
+            .get(usize::from(v))
+            .copied()
+            .unwrap_or(Other)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::IoIn => "io-in",
+            Self::IoOut => "io-out",
+            Self::MmioRead => "mmio-read",
+            Self::MmioWrite => "mmio-write",
+            Self::Hlt => "hlt",
+            Self::Interrupted => "interrupted",
+            Self::Other => "other",
+        }
+    }
+
+    fn of(exit: &VcpuExit<'_>) -> Self {
+        match exit {
+            VcpuExit::IoIn(..) => Self::IoIn,
+            VcpuExit::IoOut(..) => Self::IoOut,
+            VcpuExit::MmioRead(..) => Self::MmioRead,
+            VcpuExit::MmioWrite(..) => Self::MmioWrite,
+            VcpuExit::Hlt => Self::Hlt,
+            _ => Self::Other,
+        }
+    }
+}
+
+/// What a vCPU thread does, readable from any thread without stopping it: a
+/// hang is told apart from a guest that spins (entries go up) or a thread that
+/// never returns from `KVM_RUN` (`in_kvm_run` stays set, entries do not move).
+#[derive(Debug, Default)]
+pub struct VcpuStats {
+    in_kvm_run: AtomicBool,
+    entries: AtomicU64,
+    last_exit: AtomicU8,
+    /// Milliseconds since [`VcpuStats::epoch`] at the last return from `KVM_RUN`.
+    last_return_ms: AtomicU64,
+    /// The exit the thread had handled when it was last asked to park: an
+    /// access KVM completes on the parking `KVM_RUN` (see the module docs).
+    parked_after: AtomicU8,
+    /// Further exits served while parking (a string port access).
+    park_exits: AtomicU64,
+    epoch: std::sync::OnceLock<Instant>,
+}
+
+/// A copy of [`VcpuStats`] at one moment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VcpuStatsView {
+    pub in_kvm_run: bool,
+    pub entries: u64,
+    pub last_exit: ExitKind,
+    /// Time since the thread last came back from `KVM_RUN`.
+    pub since_last_return: Duration,
+    /// The exit handled before the last park.
+    pub parked_after: ExitKind,
+    pub park_exits: u64,
+}
+
+impl VcpuStats {
+    fn now_ms(&self) -> u64 {
+        let epoch = self.epoch.get_or_init(Instant::now);
+        u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn entering(&self) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.in_kvm_run.store(true, Ordering::Release);
+    }
+
+    fn returned(&self, kind: ExitKind) {
+        self.in_kvm_run.store(false, Ordering::Release);
+        self.last_exit.store(kind as u8, Ordering::Relaxed);
+        self.last_return_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    pub fn view(&self) -> VcpuStatsView {
+        let now = self.now_ms();
+        let last = self.last_return_ms.load(Ordering::Relaxed);
+        VcpuStatsView {
+            in_kvm_run: self.in_kvm_run.load(Ordering::Acquire),
+            entries: self.entries.load(Ordering::Relaxed),
+            last_exit: ExitKind::from_u8(self.last_exit.load(Ordering::Relaxed)),
+            since_last_return: Duration::from_millis(now.saturating_sub(last)),
+            parked_after: ExitKind::from_u8(self.parked_after.load(Ordering::Relaxed)),
+            park_exits: self.park_exits.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Most exits one parking `KVM_RUN` sequence handles (a string port access
+/// can take several) before the thread parks anyway.
+const MAX_PARK_EXITS: usize = 64;
+
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
     #[error("Cannot start vCPU thread")]
@@ -195,6 +319,7 @@ pub struct Vcpu {
     /// command's, so a late ack (after a timeout) is told apart and dropped.
     seq: u64,
     exit_requested: bool,
+    stats: Arc<VcpuStats>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -207,11 +332,14 @@ impl Vcpu {
         install_kick_handler()?;
         let (tx, rx) = mpsc::channel();
         let (ack_tx, acks) = mpsc::channel();
+        let stats = Arc::new(VcpuStats::default());
+        stats.now_ms();
+        let thread_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name(format!("sprout-vcpu{index}"))
             .spawn(move || {
                 crate::thread_hook::thread_started(crate::thread_hook::ThreadKind::Vcpu);
-                run_thread(index, fd, ctx, rx, ack_tx)
+                run_thread(index, fd, ctx, rx, ack_tx, &thread_stats)
             })
             .map_err(VcpuError::Spawn)?;
         Ok(Self {
@@ -221,8 +349,14 @@ impl Vcpu {
             acks,
             seq: 0,
             exit_requested: false,
+            stats,
             thread: Some(thread),
         })
+    }
+
+    /// What the thread does now (see [`VcpuStats`]).
+    pub fn stats(&self) -> VcpuStatsView {
+        self.stats.view()
     }
 
     pub fn index(&self) -> u8 {
@@ -377,6 +511,7 @@ fn run_thread(
     ctx: VcpuContext,
     rx: Receiver<(u64, Command)>,
     acks: Sender<(u64, Ack)>,
+    stats: &VcpuStats,
 ) {
     KVM_RUN.with(|c| c.set(fd.get_kvm_run() as *mut kvm_run));
     let mut state = RunState::Created;
@@ -403,7 +538,10 @@ fn run_thread(
         fd.set_kvm_immediate_exit(0);
         match rx.try_recv() {
             Ok((seq, Command::Pause)) => {
-                state = RunState::Paused;
+                state = match complete_last_exit(index, &mut fd, &ctx, stats) {
+                    Flow::Continue => RunState::Paused,
+                    Flow::Stop | Flow::Fail(_) => RunState::Exited,
+                };
                 let _ = acks.send((seq, Ack::State(state)));
                 continue;
             }
@@ -416,10 +554,18 @@ fn run_thread(
             Ok((_, Command::Exit)) | Err(TryRecvError::Disconnected) => break,
             Err(TryRecvError::Empty) => {}
         }
+        stats.entering();
         let flow = match fd.run() {
-            Ok(exit) => handle_exit(index, exit, &ctx),
-            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => Flow::Continue,
+            Ok(exit) => {
+                stats.returned(ExitKind::of(&exit));
+                handle_exit(index, exit, &ctx)
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                stats.returned(ExitKind::Interrupted);
+                Flow::Continue
+            }
             Err(e) => {
+                stats.returned(ExitKind::Other);
                 ctx.exit.set(ExitReason::VcpuFailed {
                     vcpu: index,
                     message: format!("KVM_RUN: {e}"),
@@ -443,6 +589,53 @@ fn run_thread(
     }
     KVM_RUN.with(|c| c.set(std::ptr::null_mut()));
     drop(fd);
+}
+
+/// Completes the access of the last exit (see the module docs): `KVM_RUN`
+/// with `immediate_exit` set finishes it and returns EINTR without running
+/// guest code. An access that needs another exit (a string port access) is
+/// served and completed the same way, at most [`MAX_PARK_EXITS`] times.
+fn complete_last_exit(index: u8, fd: &mut VcpuFd, ctx: &VcpuContext, stats: &VcpuStats) -> Flow {
+    stats
+        .parked_after
+        .store(stats.last_exit.load(Ordering::Relaxed), Ordering::Relaxed);
+    fd.set_kvm_immediate_exit(1);
+    let mut flow = Flow::Continue;
+    for _ in 0..MAX_PARK_EXITS {
+        stats.entering();
+        match fd.run() {
+            Ok(exit) => {
+                stats.returned(ExitKind::of(&exit));
+                stats.park_exits.fetch_add(1, Ordering::Relaxed);
+                flow = handle_exit(index, exit, ctx);
+                if !matches!(flow, Flow::Continue) {
+                    break;
+                }
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                stats.returned(ExitKind::Interrupted);
+                break;
+            }
+            Err(e) => {
+                stats.returned(ExitKind::Other);
+                ctx.exit.set(ExitReason::VcpuFailed {
+                    vcpu: index,
+                    message: format!("KVM_RUN (completing before a pause): {e}"),
+                });
+                flow = Flow::Stop;
+                break;
+            }
+        }
+    }
+    fd.set_kvm_immediate_exit(0);
+    if let Flow::Fail(message) = &flow {
+        let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
+        ctx.exit.set(ExitReason::VcpuFailed {
+            vcpu: index,
+            message: format!("{message} at rip {rip:#x}"),
+        });
+    }
+    flow
 }
 
 fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
