@@ -102,6 +102,15 @@ pub fn command(sock: &Path, words: &[String]) -> Result<String, ControlError> {
                 m.rss_kib, m.pss_kib, m.private_dirty_kib, m.vcpu_time_us, m.last_pause_us
             ))
         }
+        "vcpus" => {
+            no_args()?;
+            Ok(connect(sock)?
+                .vcpus()?
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join("\n"))
+        }
         "pause" => {
             no_args()?;
             connect(sock)?.pause()?;
@@ -160,8 +169,8 @@ pub fn command(sock: &Path, words: &[String]) -> Result<String, ControlError> {
                 .join("\n"))
         }
         other => Err(usage(format!(
-            "unknown command {other:?} (status, describe, metrics, pause, resume, stop, \
-             snapshot, fork, mailbox, vsock)"
+            "unknown command {other:?} (status, describe, metrics, vcpus, pause, resume, \
+             stop, snapshot, fork, mailbox, vsock)"
         ))),
     }
 }

@@ -50,6 +50,7 @@ fn kind(r: &Response) -> &'static str {
         Response::Metrics(_) => "metrics",
         Response::Mailbox { .. } => "mailbox reply",
         Response::Error(_) => "error",
+        Response::Vcpus(_) => "vcpu reports",
     }
 }
 
@@ -151,6 +152,14 @@ impl Client {
         match self.call(&Request::Metrics)? {
             Response::Metrics(m) => Ok(m),
             other => Err(ClientError::Unexpected("metrics", kind(&other))),
+        }
+    }
+
+    /// Every vCPU's counters and registers (see [`vmm::inspect`]).
+    pub fn vcpus(&mut self) -> Result<Vec<vmm::VcpuReport>, ClientError> {
+        match self.call(&Request::Vcpus)? {
+            Response::Vcpus(v) => Ok(v),
+            other => Err(ClientError::Unexpected("vcpus", kind(&other))),
         }
     }
 

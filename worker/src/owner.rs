@@ -221,6 +221,7 @@ impl Owner {
                 }
                 Ok((Response::Metrics(m), After::Continue))
             }
+            Request::Vcpus => Ok((Response::Vcpus(self.vm()?.inspect_vcpus()), After::Continue)),
             Request::Mailbox {
                 cpu,
                 cmd,

@@ -192,6 +192,10 @@ pub enum Request {
         args: [u64; 4],
         timeout_ms: u32,
     },
+    /// What each vCPU does (counters, and registers read in a moment's
+    /// pause): answered with [`Response::Vcpus`]. For a watchdog that must
+    /// tell a spinning guest from a vCPU that never runs.
+    Vcpus,
 }
 
 impl Request {
@@ -208,6 +212,7 @@ impl Request {
             Self::Stop => "stop",
             Self::Metrics => "metrics",
             Self::Mailbox { .. } => "mailbox",
+            Self::Vcpus => "vcpus",
         }
     }
 }
@@ -400,6 +405,7 @@ pub enum Response {
     Metrics(Metrics),
     Mailbox { status: u32, rets: [u64; 4] },
     Error(WorkerError),
+    Vcpus(Vec<vmm::VcpuReport>),
 }
 
 #[cfg(test)]
