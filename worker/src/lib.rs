@@ -29,7 +29,7 @@ pub use server::{serve_vm, WorkerOptions};
 pub use spawn::{ReadyPool, WorkerCommand, WorkerProcess};
 
 pub const USAGE: &str = "usage: sprout-worker --socket PATH [--vcpus N --memory-mib M] \
-[--console FILE] [--scratch-dir DIR] [--foreground] [--jail [--jail-uid UID] [--jail-gid GID]]";
+[--console FILE] [--scratch-dir DIR] [--foreground] [--jail [--jail-uid UID] [--jail-gid GID] [--jail-root DIR]]";
 
 /// The worker's command line (after any prefix such as `sprout worker`):
 /// `--socket PATH` (required); `--vcpus N --memory-mib M` make it a ready
@@ -37,7 +37,9 @@ pub const USAGE: &str = "usage: sprout-worker --socket PATH [--vcpus N --memory-
 /// `--scratch-dir DIR` holds restored disks' private tops; `--foreground`
 /// keeps it in the caller's session; `--jail` (as root) runs it in its own
 /// mount namespace as `--jail-uid`/`--jail-gid` (default 65534, nobody)
-/// under a seccomp filter per thread (see [`jail`]).
+/// under a seccomp filter per thread, and with `--jail-root DIR` (a
+/// [`jail::Jail`]'s root) `pivot_root`s into DIR first; its `--socket` and
+/// every path it is given are then paths inside DIR (see [`jail`]).
 pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .try_init();
@@ -89,6 +91,7 @@ fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, String> {
             "--scratch-dir" => scratch = Some(PathBuf::from(val("--scratch-dir")?)),
             "--foreground" => foreground = true,
             "--jail" => jailed = true,
+            "--jail-root" => jail_ids.root = Some(PathBuf::from(val("--jail-root")?)),
             "--jail-uid" | "--jail-gid" => {
                 let v = val(&a)?;
                 let id = v
@@ -106,6 +109,9 @@ fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Parsed, String> {
         }
     }
     let socket = socket.ok_or_else(|| format!("--socket is required\n{USAGE}"))?;
+    if jail_ids.root.is_some() && !jailed {
+        return Err(format!("--jail-root goes with --jail\n{USAGE}"));
+    }
     let shape = match (vcpus, mem) {
         (Some(vcpus), Some(mem_mib)) => Some(protocol::Shape { vcpus, mem_mib }),
         (None, None) => None,

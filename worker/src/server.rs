@@ -205,7 +205,8 @@ pub fn run(opts: WorkerOptions) -> Result<Option<ExitReason>, ServerError> {
     // so (on top of their own filters) do the threads it starts.
     crate::jail::apply_or_exit(Kind::Owner);
     let forbidden = crate::jail::seccomp::active()
-        && std::env::var_os(crate::jail::TEST_FORBIDDEN_ENV).is_some_and(|v| v == "1");
+        && std::env::var_os(crate::jail::TEST_FORBIDDEN_ENV)
+            .is_some_and(|v| crate::jail::test_forbidden_wanted(&v));
     Ok(serve(owner, rx, tx, listener, forbidden))
 }
 

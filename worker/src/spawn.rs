@@ -8,10 +8,11 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 use crate::client::{Client, ClientError};
+use crate::jail::{Jail, JailError, CONTROL_SOCKET};
 use crate::protocol::{Shape, WorkerState};
 
 /// How long a new worker has to answer its first describe.
@@ -25,6 +26,12 @@ pub enum SpawnError {
     Start(PathBuf, #[source] ClientError),
     #[error("Worker {0} came up {1}, not ready")]
     NotReady(PathBuf, WorkerState),
+    #[error("Control socket {0} is in use by another process")]
+    InUse(PathBuf),
+    #[error("Cannot link control socket {0} to its worker's jail")]
+    Link(PathBuf, #[source] std::io::Error),
+    #[error(transparent)]
+    Jail(#[from] JailError),
 }
 
 /// The program that runs a worker: `sprout-worker`, or a binary that becomes
@@ -35,6 +42,9 @@ pub struct WorkerCommand {
     pub prefix: Vec<OsString>,
     /// Start workers jailed (`--jail`): the caller must be root.
     pub jail: Option<crate::jail::JailOptions>,
+    /// With `jail`: each worker gets its own jail root under this directory
+    /// (`<base>/<id>/root`, see [`Jail`]) and `pivot_root`s into it.
+    pub jail_base: Option<PathBuf>,
 }
 
 /// A started worker process.
@@ -43,11 +53,62 @@ pub struct WorkerProcess {
     pub child: Child,
     /// Connected, and described once as ready.
     pub client: Client,
+    /// Its jail root, when started with one: expose the files its requests
+    /// name with [`Jail::expose`]; removed by [`wait`](Self::wait).
+    pub jail: Option<Jail>,
 }
 
 impl WorkerProcess {
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Waits for the worker to exit, then removes its jail (see
+    /// [`cleanup`](Self::cleanup)).
+    pub fn wait(&mut self) -> std::io::Result<ExitStatus> {
+        let st = self.child.wait()?;
+        self.cleanup().map_err(std::io::Error::other)?;
+        Ok(st)
+    }
+
+    /// Once the worker has exited: removes its jail root and the link at
+    /// its socket path. Nothing when it had no jail root.
+    pub fn cleanup(&mut self) -> Result<(), JailError> {
+        match self.jail.take() {
+            Some(j) => remove_jail(&self.socket, &j),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Removes `jail` and the link to its control socket at `socket`.
+fn remove_jail(socket: &Path, jail: &Jail) -> Result<(), JailError> {
+    if std::fs::read_link(socket).is_ok_and(|t| t.starts_with(jail.root())) {
+        let _ = std::fs::remove_file(socket);
+    }
+    jail.remove()
+}
+
+/// Puts a link at `socket` to `target`, the control socket in a jail. A
+/// stale socket or link there is replaced; a live one is an error.
+fn link_socket(socket: &Path, target: &Path) -> Result<(), SpawnError> {
+    if socket.symlink_metadata().is_ok() {
+        if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+            return Err(SpawnError::InUse(socket.to_owned()));
+        }
+        let _ = std::fs::remove_file(socket);
+    }
+    std::os::unix::fs::symlink(target, socket).map_err(|e| SpawnError::Link(socket.to_owned(), e))
+}
+
+/// A child that did not come up: killed, reaped, its jail removed.
+fn discard(socket: &Path, mut child: Child, jail: Option<Jail>) {
+    let _ = child.kill();
+    let _ = child.wait();
+    if let Some(j) = jail {
+        if let Err(e) = remove_jail(socket, &j) {
+            log::warn!("{}", crate::owner::chain(&e));
+        }
     }
 }
 
@@ -57,6 +118,7 @@ impl WorkerCommand {
             program: program.into(),
             prefix: Vec::new(),
             jail: None,
+            jail_base: None,
         }
     }
 
@@ -66,26 +128,60 @@ impl WorkerCommand {
             program: std::env::current_exe()?,
             prefix: prefix.iter().map(OsString::from).collect(),
             jail: None,
+            jail_base: None,
         })
     }
 
     /// The same program, its workers jailed as `uid`/`gid`.
     pub fn jailed(mut self, uid: u32, gid: u32) -> Self {
-        self.jail = Some(crate::jail::JailOptions { uid, gid });
+        self.jail = Some(crate::jail::JailOptions {
+            uid,
+            gid,
+            root: None,
+        });
+        self
+    }
+
+    /// Jailed workers each get a jail root under `base` (see [`Jail`]):
+    /// they see only what is exposed into it. Needs [`jailed`](Self::jailed).
+    pub fn jail_root(mut self, base: impl Into<PathBuf>) -> Self {
+        self.jail_base = Some(base.into());
         self
     }
 
     /// Starts a worker on `socket`, ready for a restore of `shape` when given
-    /// (else empty, for a boot), with its console appended to `console`.
-    /// Does not wait for it.
+    /// (else empty, for a boot), with its console appended to `console` (a
+    /// host path). Does not wait for it. With a jail base, it also makes the
+    /// worker's jail (returned) and links `socket` to the control socket
+    /// inside it.
     pub fn start(
         &self,
         socket: &Path,
         shape: Option<Shape>,
         console: Option<&Path>,
-    ) -> Result<Child, SpawnError> {
+    ) -> Result<(Child, Option<Jail>), SpawnError> {
         let mut c = Command::new(&self.program);
-        c.args(&self.prefix).arg("--socket").arg(socket);
+        c.args(&self.prefix);
+        let jail = match (&self.jail, &self.jail_base) {
+            (Some(j), Some(base)) => {
+                let id = format!("{:016x}", vmm::new_instance_id());
+                let jail = Jail::create(base, &id, j.uid, j.gid)?;
+                let inner = Path::new(CONTROL_SOCKET);
+                if let Err(e) = link_socket(socket, &jail.host_path(inner)) {
+                    let _ = jail.remove();
+                    return Err(e);
+                }
+                c.arg("--socket")
+                    .arg(inner)
+                    .arg("--jail-root")
+                    .arg(jail.root());
+                Some(jail)
+            }
+            _ => {
+                c.arg("--socket").arg(socket);
+                None
+            }
+        };
         if let Some(s) = shape {
             c.arg("--vcpus")
                 .arg(s.vcpus.to_string())
@@ -95,7 +191,7 @@ impl WorkerCommand {
         if let Some(p) = console {
             c.arg("--console").arg(p);
         }
-        if let Some(j) = self.jail {
+        if let Some(j) = &self.jail {
             c.arg("--jail")
                 .arg("--jail-uid")
                 .arg(j.uid.to_string())
@@ -115,8 +211,15 @@ impl WorkerCommand {
             })
             .map_or_else(Stdio::null, Stdio::from);
         c.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
-        c.spawn()
-            .map_err(|e| SpawnError::Exec(self.program.clone(), e))
+        match c.spawn() {
+            Ok(child) => Ok((child, jail)),
+            Err(e) => {
+                if let Some(j) = jail {
+                    let _ = remove_jail(socket, &j);
+                }
+                Err(SpawnError::Exec(self.program.clone(), e))
+            }
+        }
     }
 
     /// [`start`](Self::start), then waits until it answers (ready when
@@ -127,16 +230,16 @@ impl WorkerCommand {
         shape: Option<Shape>,
         console: Option<&Path>,
     ) -> Result<WorkerProcess, SpawnError> {
-        let mut child = self.start(socket, shape, console)?;
+        let (child, jail) = self.start(socket, shape, console)?;
         match wait_up(socket, shape.is_some()) {
             Ok(client) => Ok(WorkerProcess {
                 socket: socket.to_owned(),
                 child,
                 client,
+                jail,
             }),
             Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
+                discard(socket, child, jail);
                 Err(e)
             }
         }
@@ -157,7 +260,7 @@ impl WorkerCommand {
         let mut first_err = None;
         for sock in sockets {
             match self.start(sock, Some(shape), console) {
-                Ok(child) => starting.push((sock.clone(), child)),
+                Ok((child, jail)) => starting.push((sock.clone(), child, jail)),
                 Err(e) => {
                     first_err = Some(e);
                     break;
@@ -165,10 +268,9 @@ impl WorkerCommand {
             }
         }
         let mut up = Vec::with_capacity(starting.len());
-        for (socket, mut child) in starting {
+        for (socket, child, jail) in starting {
             if first_err.is_some() {
-                let _ = child.kill();
-                let _ = child.wait();
+                discard(&socket, child, jail);
                 continue;
             }
             match wait_up(&socket, true) {
@@ -176,10 +278,10 @@ impl WorkerCommand {
                     socket,
                     child,
                     client,
+                    jail,
                 }),
                 Err(e) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    discard(&socket, child, jail);
                     first_err = Some(e);
                 }
             }
@@ -189,7 +291,7 @@ impl WorkerCommand {
             Some(e) => {
                 for mut w in up {
                     let _ = w.client.stop();
-                    let _ = w.child.wait();
+                    let _ = w.wait();
                 }
                 Err(e)
             }
@@ -289,11 +391,11 @@ impl ReadyPool {
 }
 
 impl Drop for ReadyPool {
-    /// Unused ready workers are stopped.
+    /// Unused ready workers are stopped (and their jails removed).
     fn drop(&mut self) {
         for mut w in self.ready.drain(..) {
             let _ = w.client.stop();
-            let _ = w.child.wait();
+            let _ = w.wait();
         }
     }
 }

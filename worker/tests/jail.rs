@@ -2,7 +2,9 @@
 //! as nobody in its own mount namespace under per-thread seccomp filters
 //! and still boots, snapshots, writes and restores fork layers, restores by
 //! uffd, moves disk and vsock traffic; a worker whose filter refuses a
-//! syscall dies alone, saying which.
+//! syscall (or an ioctl request no list has) dies alone, saying which. With
+//! a jail root a worker sees only its root and what is exposed into it,
+//! even files exposed after it started, and its jail goes when it does.
 //!
 //! These tests need root (the jail drops from root to nobody); they fail,
 //! never skip, without it.
@@ -18,7 +20,7 @@ use std::time::Duration;
 use guest_abi::layout::{MIB, TESTGUEST_SCRATCH};
 use guest_abi::mailbox as mb;
 use sprout_tests::{host_connect, pattern_checksum, require_kvm, testguest, TempDir};
-use sprout_worker::jail::{DEFAULT_GID, DEFAULT_UID, SECCOMP_EXIT};
+use sprout_worker::jail::{Jail, DEFAULT_GID, DEFAULT_UID, SECCOMP_EXIT};
 use sprout_worker::protocol::{Backend, BootSpec, RestoreSpec, Shape, WorkerState};
 use sprout_worker::{Client, ReadyPool, WorkerCommand, WorkerProcess};
 
@@ -42,6 +44,47 @@ fn require_root() {
 
 fn cmd() -> WorkerCommand {
     WorkerCommand::new(env!("CARGO_BIN_EXE_sprout-worker")).jailed(DEFAULT_UID, DEFAULT_GID)
+}
+
+/// Jailed workers with a jail root each, under `base`.
+fn rooted(base: &JailBase) -> WorkerCommand {
+    cmd().jail_root(base.0.path())
+}
+
+/// A base of jail roots: whatever a failed test leaves is unmounted before
+/// the directory is deleted (never deleting through an exposed bind).
+struct JailBase(TempDir);
+
+impl JailBase {
+    fn new(tag: &str) -> Self {
+        Self(TempDir::new(tag))
+    }
+
+    /// The jails left in it.
+    fn left(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.0.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect()
+    }
+}
+
+impl Drop for JailBase {
+    fn drop(&mut self) {
+        for d in self.left() {
+            let _ = Jail::open(d).remove();
+        }
+    }
+}
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
 }
 
 /// A directory the jail uid may write (sockets, snapshots, scratch).
@@ -281,10 +324,12 @@ fn a_jailed_worker_boots_snapshots_and_forks_into_jailed_ready_workers() {
     }
 }
 
-#[test]
-fn a_refused_syscall_ends_that_worker_alone_and_says_which() {
+/// Starts a jailed worker with the test hook set to `hook`, checks it dies
+/// on its first request with status 159 and a message holding each of
+/// `want`, and that a jailed sibling answers on.
+fn refused(tag: &str, hook: &str, want: &[&str]) {
     require_root();
-    let dir = jail_dir("jail-sigsys");
+    let dir = jail_dir(tag);
     let mut pool = ReadyPool::new(cmd(), dir.path(), SHAPE);
     let mut sibling = pool.take().expect("a jailed sibling");
     let sock = dir.path().join("doomed.sock");
@@ -293,7 +338,7 @@ fn a_refused_syscall_ends_that_worker_alone_and_says_which() {
         .arg("--socket")
         .arg(&sock)
         .arg("--jail")
-        .env("SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL", "1")
+        .env("SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL", hook)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -309,14 +354,239 @@ fn a_refused_syscall_ends_that_worker_alone_and_says_which() {
         st.signal()
     );
     let msg = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        msg.contains("forbidden syscall")
-            && msg.contains("(getppid)")
-            && msg.contains("owner filter"),
-        "stderr: {msg}"
-    );
+    for w in want {
+        assert!(msg.contains(w), "{w:?} not in stderr: {msg}");
+    }
     // Its sibling answers on.
     assert_eq!(sibling.client.describe().unwrap().state, WorkerState::Ready);
     sibling.client.stop().unwrap();
     sibling.child.wait().unwrap();
+}
+
+#[test]
+fn a_refused_syscall_ends_that_worker_alone_and_says_which() {
+    refused(
+        "jail-sigsys",
+        "1",
+        &["forbidden syscall", "(getppid)", "owner filter"],
+    );
+}
+
+/// The filters allow ioctls by exact request number: one of KVM's type
+/// (0xAE) that no thread issues (KVM_SET_IDENTITY_MAP_ADDR) is refused by
+/// the kernel even on the owner thread, whose filter has the most KVM
+/// requests.
+#[test]
+fn a_kvm_ioctl_of_an_unlisted_number_is_refused() {
+    let req = format!(
+        "request {:#x}",
+        sprout_worker::jail::ioctls::KVM_SET_IDENTITY_MAP_ADDR
+    );
+    refused(
+        "jail-ioctl",
+        "ioctl",
+        &["forbidden syscall 16 (ioctl)", &req, "owner filter"],
+    );
+}
+
+/// A rooted worker sees nothing of the host: from the host, its
+/// `/proc/PID/root` holds only the jail's own entries (the devices, its
+/// `/proc/self`, its `/worker`: no `/etc`, no host `/tmp`); from inside, a
+/// restore from a marker directory in the host's `/tmp` that holds a
+/// manifest fails as a missing file; and its jail is gone once it has
+/// exited.
+#[test]
+fn a_rooted_worker_sees_only_its_jail() {
+    require_root();
+    let base = JailBase::new("jail-base-see");
+    let dir = jail_dir("jail-see");
+    let marker = TempDir::new("jail-marker");
+    std::fs::write(marker.path().join("manifest.json"), b"{}").unwrap();
+    let mut pool = ReadyPool::new(rooted(&base), dir.path(), SHAPE);
+    let mut w = pool.take().expect("a rooted ready worker");
+    assert_jailed(w.pid());
+    let root = PathBuf::from(format!("/proc/{}/root", w.pid()));
+    assert_eq!(names(&root), ["dev", "proc", "worker"]);
+    assert_eq!(
+        names(&root.join("dev")),
+        ["kvm", "null", "urandom", "userfaultfd"]
+    );
+    assert_eq!(names(&root.join("proc")), ["self"]);
+    assert!(!root.join("etc/passwd").exists());
+    assert!(!root.join(marker.path().strip_prefix("/").unwrap()).exists());
+    let st = std::fs::read_to_string(root.join("proc/self/status")).unwrap();
+    assert!(
+        st.contains(&format!("Pid:\t{}", w.pid())),
+        "its own /proc/self"
+    );
+    // Its own status through its /proc/self: the metrics read it.
+    let m = w.client.metrics().expect("metrics in the jail");
+    assert!(m.rss_kib > 0, "{m:?}");
+    let jail = w.jail.clone().expect("a jail");
+    assert!(jail
+        .host_path(Path::new(sprout_worker::jail::CONTROL_SOCKET))
+        .exists());
+
+    // On the host the marker holds a manifest; in the jail it is missing.
+    let e = w
+        .client
+        .restore(spec(
+            marker.path(),
+            Backend::Mmap,
+            dir.path().join("x.vsock"),
+        ))
+        .expect_err("a host path is not in the jail");
+    let msg = e.to_string();
+    let want = format!("{}/manifest.json is missing", marker.path().display());
+    assert!(msg.contains(&want), "{msg}");
+    let _ = w.client.stop();
+    let st = w.wait().unwrap();
+    eprintln!("worker ended: {st:?}");
+    assert!(!jail.dir().exists(), "its jail is removed");
+    assert!(w.socket.symlink_metadata().is_err(), "and its socket link");
+    assert!(base.left().is_empty(), "{:?}", base.left());
+}
+
+/// Rooted workers, under real KVM: an empty one boots the test guest from a
+/// kernel exposed read-only and a data directory exposed writable after it
+/// started, snapshots (full and diff) and writes a fork layer into that
+/// directory; rooted ready workers, started before any of those files
+/// existed, restore them (mmap, uffd, a fork layer) once exposed; disk,
+/// rng and vsock traffic works; each stays jailed; every jail goes with its
+/// worker.
+#[test]
+fn rooted_workers_boot_and_restore_from_files_exposed_after_they_started() {
+    require_root();
+    let base = JailBase::new("jail-base-run");
+    let dir = jail_dir("jail-run");
+    let mut pool = ReadyPool::new(rooted(&base), dir.path(), SHAPE);
+    pool.fill(3).expect("rooted ready workers");
+
+    let disk = dir.path().join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    chown(&disk);
+    let uds = dir.path().join("vsock.sock");
+    let mut c = vmm::VmConfig::new(testguest());
+    c.vcpus = SHAPE.vcpus;
+    c.mem_mib = SHAPE.mem_mib;
+    c.disks = vec![vmm::DiskConfig {
+        path: disk,
+        read_only: false,
+        id: "jail0".into(),
+    }];
+    c.vsock = Some(vmm::VsockConfig {
+        guest_cid: 42,
+        uds_path: uds.clone(),
+    });
+    c.rng = true;
+    let mut parent = rooted(&base)
+        .spawn(&dir.path().join("parent.sock"), None, None)
+        .expect("a rooted empty worker");
+    let pj = parent.jail.clone().unwrap();
+    // Exposed after it started, at the same paths.
+    let kernel = pj.expose(&testguest(), true).unwrap();
+    assert_eq!(kernel, testguest().canonicalize().unwrap());
+    pj.expose(dir.path(), false).unwrap();
+    parent
+        .client
+        .call(&sprout_worker::Request::Boot(BootSpec {
+            spec: c.spec(),
+            instance_id: Some(0x1a11),
+        }))
+        .expect("boot from exposed files");
+    assert_jailed(parent.pid());
+    // Read-only stays read-only inside.
+    let inside = PathBuf::from(format!("/proc/{}/root", parent.pid()))
+        .join(kernel.strip_prefix("/").unwrap());
+    let e = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&inside)
+        .expect_err("the kernel is read-only in the jail");
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+
+    call(&mut parent.client, mb::CMD_FILL, [A, 64, 1, 0]);
+    devices(&mut parent.client, &uds);
+    let full = dir.path().join("full");
+    let diff = dir.path().join("diff");
+    parent.client.pause().unwrap();
+    parent.client.snapshot(&full, false).expect("full snapshot");
+    parent.client.resume().unwrap();
+    assert!(
+        full.join("manifest.json").exists(),
+        "written to the host's directory"
+    );
+    call(&mut parent.client, mb::CMD_FILL, [A, 8, 2, 0]);
+    parent.client.pause().unwrap();
+    parent.client.snapshot(&diff, true).expect("diff snapshot");
+    parent.client.resume().unwrap();
+    let scratch = sub(dir.path(), "layers");
+    let layer = parent
+        .client
+        .write_fork_layer(&scratch)
+        .expect("fork layer");
+
+    let expose = |w: &WorkerProcess| {
+        let j = w.jail.as_ref().unwrap();
+        j.expose(&testguest(), true).unwrap();
+        j.expose(dir.path(), false).unwrap();
+    };
+    let mut m = pool.take().unwrap();
+    expose(&m);
+    m.client
+        .restore(spec(&full, Backend::Mmap, dir.path().join("m.vsock")))
+        .expect("mmap restore into a rooted ready worker");
+    let r = call(&mut m.client, mb::CMD_CHECKSUM, [A, 64, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(1, A, 64));
+    devices(&mut m.client, &dir.path().join("m.vsock"));
+    assert_jailed(m.pid());
+
+    let mut u = pool.take().unwrap();
+    expose(&u);
+    u.client
+        .restore(spec(&diff, Backend::Uffd, dir.path().join("u.vsock")))
+        .expect("uffd restore into a rooted ready worker");
+    let r = call(&mut u.client, mb::CMD_CHECKSUM, [A, 8, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(2, A, 8));
+    devices(&mut u.client, &dir.path().join("u.vsock"));
+    assert!(u.client.metrics().unwrap().uffd_faults.is_some());
+    assert_jailed(u.pid());
+
+    let mut kid = pool.take().unwrap();
+    expose(&kid);
+    kid.client
+        .restore_fork_layer(spec(
+            &layer.dir,
+            Backend::Mmap,
+            dir.path().join("kid.vsock"),
+        ))
+        .expect("a rooted child restores the fork layer");
+    let r = call(&mut kid.client, mb::CMD_CHECKSUM, [A + 8 * 4096, 56, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(1, A + 8 * 4096, 56));
+    devices(&mut kid.client, &dir.path().join("kid.vsock"));
+    assert_jailed(kid.pid());
+
+    // A guest reset ends a worker by itself; its jail goes once reaped.
+    let kj = kid.jail.clone().unwrap();
+    let _ = kid.client.mailbox(0, mb::CMD_RESET, [0; 4], T);
+    let st = kid.wait().unwrap();
+    assert!(st.success(), "a rooted worker ends with its VM: {st:?}");
+    assert!(!kj.dir().exists());
+
+    let jails: Vec<Jail> = [&parent, &m, &u]
+        .iter()
+        .map(|w| w.jail.clone().unwrap())
+        .collect();
+    for mut w in [parent, m, u] {
+        w.client.stop().unwrap();
+        let st = w.wait().unwrap();
+        assert!(st.success(), "a rooted worker stops cleanly: {st:?}");
+        assert!(!w.socket.exists());
+    }
+    for j in jails {
+        assert!(!j.dir().exists(), "{} left", j.dir().display());
+    }
+    drop(pool);
+    assert!(base.left().is_empty(), "{:?}", base.left());
+    // The exposed directory and the kernel are still there.
+    assert!(full.join("manifest.json").exists() && testguest().exists());
 }

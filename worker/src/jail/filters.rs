@@ -45,8 +45,8 @@ pub const COMMON: &[c_long] = &[
     libc::SYS_fcntl,
 ];
 
-/// `sprout-vcpuN`: KVM_RUN and the vCPU-state ioctls (ioctl: those request
-/// numbers only, `VCPU_IOCTLS` in `seccomp.rs`), the exits it handles
+/// `sprout-vcpuN`: KVM_RUN and the vCPU state it reads for a snapshot
+/// (ioctl: those request numbers only, `ioctls::VCPU`), the exits it handles
 /// (serial console writes, eventfd notifications).
 pub const VCPU: &[c_long] = &[
     libc::SYS_ioctl,
@@ -80,7 +80,7 @@ pub const EVENTS: &[c_long] = &[
     libc::SYS_sendmsg,
     libc::SYS_shutdown,
     libc::SYS_unlink,
-    // FIONBIO on accepted vsock connections.
+    // FIONBIO on accepted vsock connections (`ioctls::SOCKETS`).
     libc::SYS_ioctl,
     // The devices' rate and retry timers.
     libc::SYS_timerfd_settime,
@@ -88,8 +88,9 @@ pub const EVENTS: &[c_long] = &[
 ];
 
 /// `sprout-uffd`: reads the faults off the userfaultfd, answers them with
-/// UFFDIO_COPY/ZEROPAGE/WAKE (ioctl: the uffd request type only), reads
-/// pages from the layer files.
+/// UFFDIO_COPY/ZEROPAGE/WAKE and unregisters guest RAM as it ends (ioctl:
+/// those request numbers only, `ioctls::UFFD`), reads pages from the layer
+/// files.
 pub const UFFD: &[c_long] = &[
     libc::SYS_ioctl,
     libc::SYS_read,

@@ -1,6 +1,7 @@
 //! The jail of a worker started by root with `--jail`, as Firecracker's
-//! jailer does: its own mount namespace, no new privileges, an unprivileged
-//! uid/gid with no capabilities, and a seccomp filter per thread kind.
+//! jailer does: its own mount namespace, with `--jail-root` a root holding
+//! only what its VM needs, no new privileges, an unprivileged uid/gid with
+//! no capabilities, and a seccomp filter per thread kind.
 //!
 //! [`enter`] runs on the main thread before any other thread exists
 //! (credentials are per thread in the kernel: changing them while single-
@@ -8,25 +9,32 @@
 //!
 //! 1. compile the seccomp filters and install the SIGSYS handler
 //!    ([`seccomp::prepare`]);
-//! 2. `unshare(CLONE_NEWNS)` and make every mount private, so nothing
-//!    mounted here is seen outside;
-//! 3. device access: `/dev/kvm` and `/dev/userfaultfd` are root's (0600) on
-//!    the host, so inside its namespace the worker mounts a small tmpfs,
-//!    makes a node of each device there owned by the jail uid/gid (0600), and
-//!    binds it over the path in `/dev`: the VMM opens them by path as
-//!    before, whenever it needs them (a ready worker's shell, a boot, a uffd
-//!    restore), and the host's nodes are unchanged;
+//! 2. `unshare(CLONE_NEWNS)`;
+//! 3. with `--jail-root DIR` ([`root`]): make every mount a slave (so the
+//!    spawner's later mounts under DIR come in, and nothing mounted here
+//!    goes out), mount the jail's `/dev` (a tmpfs with `kvm` and
+//!    `userfaultfd` owned by the jail uid, `null`, `urandom`) and
+//!    `/proc/self` in DIR, `pivot_root` into DIR and detach the host's
+//!    root. The spawner exposes files into DIR while the worker runs
+//!    ([`Jail::expose`]), at the same paths as on the host.
+//!    Without it: make every mount private and give the devices in place:
+//!    `/dev/kvm` and `/dev/userfaultfd` are root's (0600) on the host, so
+//!    the worker mounts a small tmpfs, makes a node of each device there
+//!    owned by the jail uid/gid (0600), and binds it over the path in
+//!    `/dev`; the worker sees the rest of the host's file system with the
+//!    jail uid's rights, and whatever it must write (its socket's
+//!    directory, snapshot and scratch directories) must be writable by it;
 //! 4. `PR_SET_NO_NEW_PRIVS`, then `setgroups([])`, `setresgid`,
 //!    `setresuid`: with every uid non-zero the kernel clears the
 //!    capabilities (CapEff 0).
 //!
-//! Not done (yet): a `pivot_root` into a directory holding only what the VM
-//! needs; the worker sees the host's file system with the jail uid's rights.
-//! Whatever it must write (its socket's directory, snapshot and scratch
-//! directories) must be writable by the jail uid.
+//! The VMM opens the devices by path whenever it needs them (a ready
+//! worker's shell, a boot, a uffd restore).
 
 pub mod filters;
+pub mod ioctls;
 mod names;
+pub mod root;
 pub mod seccomp;
 
 use std::path::{Path, PathBuf};
@@ -34,6 +42,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{FileType, Gid, Mode, Uid};
 use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
+pub use root::{Jail, CONTROL_SOCKET, WORKER_DIR};
 pub use seccomp::{apply_or_exit, Kind, SECCOMP_EXIT};
 
 /// nobody / nogroup.
@@ -43,10 +52,14 @@ pub const DEFAULT_GID: u32 = 65534;
 /// The devices a VM opens, given to the jail uid inside its namespace.
 const DEVICES: &[&str] = &["/dev/kvm", "/dev/userfaultfd"];
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JailOptions {
     pub uid: u32,
     pub gid: u32,
+    /// `--jail-root DIR`: the jail root to `pivot_root` into (a
+    /// [`Jail::root`], a shared mount made by [`Jail::create`]). `None`:
+    /// the worker keeps the host's file system (with the jail uid's rights).
+    pub root: Option<PathBuf>,
 }
 
 impl Default for JailOptions {
@@ -54,6 +67,7 @@ impl Default for JailOptions {
         Self {
             uid: DEFAULT_UID,
             gid: DEFAULT_GID,
+            root: None,
         }
     }
 }
@@ -72,6 +86,8 @@ pub enum JailError {
     Sys(&'static str, #[source] std::io::Error),
     #[error("Cannot give {0} to the jail")]
     Device(PathBuf, #[source] std::io::Error),
+    #[error("Cannot {1} {0}")]
+    Root(PathBuf, &'static str, #[source] std::io::Error),
 }
 
 fn sys<T>(what: &'static str, r: rustix::io::Result<T>) -> Result<T, JailError> {
@@ -108,14 +124,30 @@ pub fn enter(o: &JailOptions) -> Result<(), JailError> {
     sys("unshare the mount namespace", unsafe {
         rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS)
     })?;
-    sys(
-        "make the mounts private",
-        rustix::mount::mount_change(
-            "/",
-            MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
-        ),
-    )?;
-    give_devices(o)?;
+    match &o.root {
+        None => {
+            sys(
+                "make the mounts private",
+                rustix::mount::mount_change(
+                    "/",
+                    MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+                ),
+            )?;
+            give_devices(o)?;
+        }
+        Some(root) => {
+            // Slaves, not private: what the spawner mounts under the jail
+            // root in the host's namespace must still come in.
+            sys(
+                "make the mounts slaves",
+                rustix::mount::mount_change(
+                    "/",
+                    MountPropagationFlags::REC | MountPropagationFlags::DOWNSTREAM,
+                ),
+            )?;
+            root::enter(root, o)?;
+        }
+    }
     sys("set no_new_privs", rustix::thread::set_no_new_privs(true))?;
     let (uid, gid) = (Uid::from_raw(o.uid), Gid::from_raw(o.gid));
     sys(
@@ -188,9 +220,28 @@ fn give_devices(o: &JailOptions) -> Result<(), JailError> {
 
 /// The test hook: `SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL=1` makes the owner
 /// thread of a jailed worker make a syscall no filter allows (`getppid`)
-/// when it handles its first request.
+/// when it handles its first request; `=ioctl` makes it an `ioctl` of KVM's
+/// type whose number no filter lists (`KVM_SET_IDENTITY_MAP_ADDR`).
 pub const TEST_FORBIDDEN_ENV: &str = "SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL";
 
+/// Whether `v`, the value of [`TEST_FORBIDDEN_ENV`], asks for the hook.
+pub fn test_forbidden_wanted(v: &std::ffi::OsStr) -> bool {
+    v == "1" || v == "ioctl"
+}
+
 pub fn test_forbidden_syscall() {
+    if std::env::var_os(TEST_FORBIDDEN_ENV).is_some_and(|v| v == "ioctl") {
+        // SAFETY: an ioctl on no descriptor (-1) with a null argument: the
+        // kernel would answer EBADF and touch no memory; the filter refuses
+        // it before that.
+        unsafe {
+            libc::ioctl(
+                -1,
+                ioctls::KVM_SET_IDENTITY_MAP_ADDR as libc::c_ulong,
+                std::ptr::null_mut::<libc::c_void>(),
+            );
+        }
+        return;
+    }
     let _ = rustix::process::getppid();
 }

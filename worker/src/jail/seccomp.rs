@@ -20,7 +20,7 @@ use seccompiler::{
     SeccompRule, TargetArch,
 };
 
-use super::filters;
+use super::{filters, ioctls};
 
 /// The status a worker exits with when a filter refused a syscall.
 pub const SECCOMP_EXIT: i32 = 159;
@@ -80,52 +80,6 @@ thread_local! {
     static NAME: Cell<[u8; 16]> = const { Cell::new([0; 16]) };
 }
 
-const KVM_IOCTL_TYPE: u64 = 0xAE;
-const UFFD_IOCTL_TYPE: u64 = 0xAA;
-const FIONBIO: u64 = 0x5421;
-const FIOCLEX: u64 = 0x5451;
-/// The vCPU thread's KVM ioctls: KVM_RUN, and the vCPU state it reads for
-/// a snapshot and writes on a restore (`vmm::arch::state`), by request
-/// number (`linux/kvm.h`, x86_64).
-const VCPU_IOCTLS: &[u64] = &[
-    0xae80,      // KVM_RUN
-    0x8090_ae81, // KVM_GET_REGS
-    0x4090_ae82, // KVM_SET_REGS
-    0x8138_ae83, // KVM_GET_SREGS
-    0x4138_ae84, // KVM_SET_SREGS
-    0xc008_ae88, // KVM_GET_MSRS
-    0x4008_ae89, // KVM_SET_MSRS
-    0x81a0_ae8c, // KVM_GET_FPU
-    0x41a0_ae8d, // KVM_SET_FPU
-    0x8400_ae8e, // KVM_GET_LAPIC
-    0x4400_ae8f, // KVM_SET_LAPIC
-    0x4008_ae90, // KVM_SET_CPUID2
-    0xc008_ae91, // KVM_GET_CPUID2
-    0x8004_ae98, // KVM_GET_MP_STATE
-    0x4004_ae99, // KVM_SET_MP_STATE
-    0x8040_ae9f, // KVM_GET_VCPU_EVENTS
-    0x4040_aea0, // KVM_SET_VCPU_EVENTS
-    0x8080_aea1, // KVM_GET_DEBUGREGS
-    0x4080_aea2, // KVM_SET_DEBUGREGS
-    0x9000_aea4, // KVM_GET_XSAVE
-    0x5000_aea5, // KVM_SET_XSAVE
-    0x8188_aea6, // KVM_GET_XCRS
-    0x4188_aea7, // KVM_SET_XCRS
-    0x9000_aecf, // KVM_GET_XSAVE2
-];
-/// Snapshots map a file's extents to copy only its data.
-const FS_IOC_FIEMAP: u64 = 0xc020_660b;
-
-/// An ioctl whose request (arg 1) has this type byte.
-fn ioctl_type(t: u64) -> Result<SeccompRule, seccompiler::BackendError> {
-    SeccompRule::new(vec![SeccompCondition::new(
-        1,
-        SeccompCmpArgLen::Dword,
-        SeccompCmpOp::MaskedEq(0xff00),
-        t << 8,
-    )?])
-}
-
 fn ioctl_req(req: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     SeccompRule::new(vec![SeccompCondition::new(
         1,
@@ -135,22 +89,19 @@ fn ioctl_req(req: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     )?])
 }
 
+/// The `ioctl` requests `kind` may make, each by its exact number (the
+/// lists are in `ioctls.rs`).
+fn ioctl_requests(kind: Kind) -> Vec<u64> {
+    match kind {
+        Kind::Vcpu => ioctls::VCPU.to_vec(),
+        Kind::Uffd => ioctls::UFFD.to_vec(),
+        Kind::Control | Kind::Events => ioctls::SOCKETS.to_vec(),
+        Kind::Owner => ioctls::owner(),
+    }
+}
+
 fn ioctl_rules(kind: Kind) -> Result<Vec<SeccompRule>, seccompiler::BackendError> {
-    Ok(match kind {
-        Kind::Vcpu => VCPU_IOCTLS
-            .iter()
-            .map(|r| ioctl_req(*r))
-            .collect::<Result<_, _>>()?,
-        Kind::Uffd => vec![ioctl_type(UFFD_IOCTL_TYPE)?],
-        Kind::Control | Kind::Events => vec![ioctl_req(FIONBIO)?, ioctl_req(FIOCLEX)?],
-        Kind::Owner => vec![
-            ioctl_type(KVM_IOCTL_TYPE)?,
-            ioctl_type(UFFD_IOCTL_TYPE)?,
-            ioctl_req(FIONBIO)?,
-            ioctl_req(FIOCLEX)?,
-            ioctl_req(FS_IOC_FIEMAP)?,
-        ],
-    })
+    ioctl_requests(kind).into_iter().map(ioctl_req).collect()
 }
 
 fn build(kind: Kind, log_only: bool) -> Result<BpfProgram, SeccompError> {
