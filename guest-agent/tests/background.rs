@@ -445,6 +445,15 @@ async fn a_background_timeout_kills_the_group() {
 #[tokio::test]
 async fn a_foreground_exec_still_dies_with_its_connection() {
     let agent = Agent::start();
+    // The foreground call refuses a background request rather than wait for an exit
+    // that would never come on its connection.
+    let mut req = cmd("true", &[]);
+    req.background = true;
+    assert!(matches!(
+        agent.client().exec(req).await,
+        Err(ClientError::Misuse(_))
+    ));
+
     let s = agent.client().exec(cmd("sleep", &["30"])).await.unwrap();
     let pid = s.pid;
     drop(s);

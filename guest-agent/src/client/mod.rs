@@ -143,6 +143,10 @@ pub enum ClientError {
     TooLarge { what: &'static str, limit: u64 },
     #[error("The agent sent {got} bytes or more of a read of at most {asked}")]
     Overrun { asked: u64, got: u64 },
+    /// A call the client refuses before sending anything (say, a background exec
+    /// given to [`Client::exec`]).
+    #[error("{0}")]
+    Misuse(&'static str),
 }
 
 impl ClientError {
