@@ -188,3 +188,71 @@ async fn endless_empty_frames_are_refused() {
         .unwrap_err();
     assert!(matches!(e, ClientError::Unexpected { .. }), "{e}");
 }
+
+/// A background process's events that go backwards, and an endless process listing.
+fn lying_procs(m: &Message) -> Answer {
+    use guest_agent::protocol::{Attached, ProcInfo, ProcOutput, Procs, StreamKind};
+    match m {
+        Message::Attach(_) => Box::new(
+            [
+                Attached {
+                    exec_id: 1,
+                    pid: 2,
+                    running: true,
+                    first_seq: 1,
+                    next_seq: 9,
+                }
+                .into(),
+                ProcOutput {
+                    seq: 5,
+                    stream: StreamKind::Stdout,
+                    data: Bytes::from(b"x".to_vec()),
+                }
+                .into(),
+                // Replayed again: a guest that numbers events backwards.
+                ProcOutput {
+                    seq: 5,
+                    stream: StreamKind::Stdout,
+                    data: Bytes::from(b"y".to_vec()),
+                }
+                .into(),
+            ]
+            .into_iter(),
+        ),
+        // Batches forever, each process with a 4 KiB command line.
+        Message::ProcList(_) => Box::new((0..).map(|i| {
+            Procs {
+                procs: (0..8)
+                    .map(|j| ProcInfo {
+                        exec_id: i * 8 + j,
+                        command: "c".repeat(4 << 10),
+                        ..ProcInfo::default()
+                    })
+                    .collect(),
+                more: true,
+            }
+            .into()
+        })),
+        _ => Box::new(std::iter::empty()),
+    }
+}
+
+#[tokio::test]
+async fn background_answers_over_the_bounds_are_refused() {
+    let (client, _dir) = hostile(lying_procs);
+    let mut s = client.attach(1, None).await.unwrap();
+    assert_eq!(s.attached.next_seq, 9);
+    assert!(s.next_event().await.unwrap().is_some());
+    match s.next_event().await {
+        Err(ClientError::Unexpected { .. }) => {}
+        other => panic!("accepted an event numbered backwards: {other:?}"),
+    }
+    // The stream is over after a broken event.
+    assert!(s.next_event().await.unwrap().is_none());
+    match client.proc_list().await {
+        Err(ClientError::TooLarge { limit, .. }) => {
+            assert_eq!(limit, client.config().max_procs as u64)
+        }
+        other => panic!("accepted an endless listing: {:?}", other.map(|v| v.len())),
+    }
+}

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! sprout-agent (--listen-unix PATH | --listen-vsock PORT) [--root DIR]
-//!              [--output-limit BYTES] [--max-execs N] [--allow-identity]
+//!              [--output-limit BYTES] [--max-execs N] [--ring-bytes BYTES]
+//!              [--max-finished N] [--allow-identity]
 //! ```
 
 use std::path::PathBuf;
@@ -13,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Parser;
 use guest_agent::files::Resolver;
-use guest_agent::protocol::DEFAULT_OUTPUT_LIMIT;
+use guest_agent::protocol::{DEFAULT_MAX_FINISHED, DEFAULT_OUTPUT_LIMIT, DEFAULT_RING_BYTES};
 use guest_agent::server::{Config, Server};
 
 #[derive(Parser, Debug)]
@@ -34,9 +35,16 @@ struct Args {
     /// Per-stream output cap of an exec, in bytes.
     #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_OUTPUT_LIMIT)]
     output_limit: u64,
-    /// Most execs running at once.
+    /// Most execs running at once, background processes included.
     #[arg(long, value_name = "N", default_value_t = 256)]
     max_execs: usize,
+    /// Bound of each background process's ring of recent events, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = DEFAULT_RING_BYTES)]
+    ring_bytes: usize,
+    /// Finished background processes kept for attach and listing (earliest finished
+    /// forgotten first).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_FINISHED)]
+    max_finished: usize,
     /// Serve identity refresh (sets the clock, CRNG and hostname of this machine: only
     /// for the agent PID 1 starts in a VM).
     #[arg(long)]
@@ -63,6 +71,8 @@ fn main() -> anyhow::Result<()> {
         },
         output_limit: args.output_limit,
         max_execs: args.max_execs,
+        ring_bytes: args.ring_bytes,
+        max_finished: args.max_finished,
         allow_identity: args.allow_identity,
         ..Config::default()
     };

@@ -160,8 +160,15 @@ impl ExecSession {
 }
 
 impl Client {
-    /// Starts `req` on a new connection and returns once the agent has spawned it.
+    /// Starts `req` on a new connection and returns once the agent has spawned it. A
+    /// foreground exec only: one with `background` set is refused with
+    /// [`ClientError::Misuse`] (see [`Client::exec_background`]).
     pub async fn exec(&self, req: Exec) -> Result<ExecSession, ClientError> {
+        if req.background {
+            return Err(ClientError::Misuse(
+                "Client::exec runs a foreground exec: use exec_background for a background one",
+            ));
+        }
         let cfg = self.config();
         let streaming = matches!(req.stdin, StdinMode::Stream);
         let deadline = req.timeout_ms.map(|ms| {

@@ -23,10 +23,14 @@
 //! length asked for (a guest that sends more is refused with
 //! [`ClientError::Overrun`]), collected exec output and whole-file reads by the caller's
 //! cap, and texts the agent sends (error messages, identity refresh reports) are clipped
-//! to [`MAX_AGENT_TEXT`] bytes.
+//! to [`MAX_AGENT_TEXT`] bytes. Background processes: a process listing by
+//! [`ClientConfig::max_procs`] (each command clipped), an attach's events one frame at
+//! a time (checked: numbers only go up, chunks of 1 to `MAX_CHUNK` bytes) and, collected,
+//! by the caller's cap.
 
 mod exec;
 mod files;
+mod procs;
 
 use std::io;
 use std::path::PathBuf;
@@ -40,6 +44,7 @@ use tokio::time::timeout;
 
 pub use exec::{ExecEvent, ExecOutput, ExecSession, ExecStdin};
 pub use files::{FileReader, WriteOptions};
+pub use procs::{ProcCollected, ProcEvent, ProcStream};
 
 use crate::protocol::{
     ErrorCode, ErrorMsg, FileInfo, Identity, IdentityDone, Kill, Message, Mkdir, Ping, Pong,
@@ -75,6 +80,10 @@ pub struct ClientConfig {
     pub max_list_entries: usize,
     /// Most bytes a listing may hold (see [`list_entry_bytes`]).
     pub max_list_bytes: usize,
+    /// Most background processes a process listing may return (each entry is bounded:
+    /// its command is clipped to [`MAX_PROC_COMMAND`](crate::protocol::MAX_PROC_COMMAND)
+    /// bytes).
+    pub max_procs: usize,
 }
 
 /// Default of [`ClientConfig::max_list_bytes`]: 8 MiB of names and entries.
@@ -101,6 +110,7 @@ impl Default for ClientConfig {
             max_idle: 8,
             max_list_entries: 1_000_000,
             max_list_bytes: DEFAULT_MAX_LIST_BYTES,
+            max_procs: 4096,
         }
     }
 }
@@ -133,6 +143,10 @@ pub enum ClientError {
     TooLarge { what: &'static str, limit: u64 },
     #[error("The agent sent {got} bytes or more of a read of at most {asked}")]
     Overrun { asked: u64, got: u64 },
+    /// A call the client refuses before sending anything (say, a background exec
+    /// given to [`Client::exec`]).
+    #[error("{0}")]
+    Misuse(&'static str),
 }
 
 impl ClientError {
@@ -404,7 +418,7 @@ impl Client {
         }
     }
 
-    /// Sends `signal` to the process group of a running exec.
+    /// Sends `signal` to the process group of a running exec, foreground or background.
     pub async fn kill(&self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
         self.done(Kill { exec_id, signal }.into()).await
     }

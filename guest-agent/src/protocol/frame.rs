@@ -147,6 +147,7 @@ mod tests {
                     stdin: StdinMode::Bytes(Bytes::from(vec![0, 159, 255])),
                     timeout_ms: Some(5),
                     output_limit: Some(10),
+                    background: true,
                     ..Exec::default()
                 }
                 .into(),
@@ -187,6 +188,67 @@ mod tests {
                 .into(),
             ),
             (7, WriteEnd {}.into()),
+            (
+                8,
+                Attach {
+                    exec_id: 3,
+                    after_seq: Some(41),
+                }
+                .into(),
+            ),
+            (
+                9,
+                ProcStdin {
+                    exec_id: 3,
+                    data: Bytes::from(vec![1, 2]),
+                    close: true,
+                }
+                .into(),
+            ),
+            (
+                10,
+                ProcOutput {
+                    seq: 42,
+                    stream: StreamKind::Stdout,
+                    data: Bytes::from(b"hi".to_vec()),
+                }
+                .into(),
+            ),
+            (
+                10,
+                Gap {
+                    first_seq: 1,
+                    last_seq: 40,
+                    bytes: Some(1 << 20),
+                }
+                .into(),
+            ),
+            (
+                10,
+                ProcExit {
+                    seq: 43,
+                    exit: Exit {
+                        code: Some(0),
+                        ..Exit::default()
+                    },
+                }
+                .into(),
+            ),
+            (
+                11,
+                Procs {
+                    procs: vec![ProcInfo {
+                        exec_id: 3,
+                        pid: 77,
+                        command: "sleep 1".into(),
+                        running: true,
+                        next_seq: 1,
+                        ..ProcInfo::default()
+                    }],
+                    more: false,
+                }
+                .into(),
+            ),
         ]
     }
 
@@ -275,14 +337,17 @@ mod tests {
 
     #[test]
     fn unknown_version_is_refused_with_a_clear_error() {
-        let mut bytes = encode(1, &Ping {}.into()).unwrap();
-        bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
-        let e = decode(&bytes).unwrap_err();
-        assert!(matches!(e, ProtocolError::UnsupportedVersion { got: 2 }));
-        assert_eq!(
-            e.to_string(),
-            "Unsupported protocol version 2: this side speaks version 1"
-        );
+        // Version 1 (an agent or host from before background processes) and a later one.
+        for other in [1u16, VERSION + 1] {
+            let mut bytes = encode(1, &Ping {}.into()).unwrap();
+            bytes[4..6].copy_from_slice(&other.to_le_bytes());
+            let e = decode(&bytes).unwrap_err();
+            assert!(matches!(e, ProtocolError::UnsupportedVersion { got } if got == other));
+            assert_eq!(
+                e.to_string(),
+                format!("Unsupported protocol version {other}: this side speaks version 2")
+            );
+        }
     }
 
     #[test]

@@ -58,8 +58,13 @@ pub struct Exec {
     pub stdin: StdinMode,
     /// Kill the whole process group with SIGKILL after this many milliseconds.
     pub timeout_ms: Option<u64>,
-    /// Per-stream output cap in bytes; the agent's own cap if absent or larger.
+    /// Per-stream output cap in bytes; the agent's own cap if absent or larger. For a
+    /// background process only this cap applies (none if absent): its ring bounds memory.
     pub output_limit: Option<u64>,
+    /// Keep the process running independently of any connection (protocol 2): the
+    /// answer is [`ExecStarted`] alone; its output goes to a bounded ring of events read
+    /// with [`Attach`], its stdin (with [`StdinMode::Stream`]) is fed by [`ProcStdin`].
+    pub background: bool,
 }
 
 /// A chunk of stdin for a running exec (request id of the [`Exec`]).
@@ -78,6 +83,31 @@ pub struct Kill {
     pub exec_id: u64,
     pub signal: i32,
 }
+
+/// Replays the kept events of background process `exec_id` with a sequence number over
+/// `after_seq` (all kept events if absent), then streams its live events until its exit.
+/// Answered by [`Attached`], then [`ProcOutput`], [`Gap`] and finally [`ProcExit`]
+/// events, then [`Done`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attach {
+    pub exec_id: u64,
+    pub after_seq: Option<u64>,
+}
+
+/// Writes `data` (at most [`MAX_CHUNK`](super::MAX_CHUNK) bytes) to the stdin of
+/// background process `exec_id`, then closes it if `close` and every byte went in.
+/// Answered by [`Written`] with the bytes the process took within the agent's wait.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcStdin {
+    pub exec_id: u64,
+    pub data: Bytes,
+    pub close: bool,
+}
+
+/// Lists the background processes the agent keeps (running, and the most recently
+/// finished); answered by [`Procs`] batches, the last with `more: false`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcList {}
 
 /// Lists a directory; answered by [`Entries`] batches, the last with `more: false`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -213,6 +243,8 @@ pub enum ErrorCode {
     /// Any other I/O failure.
     Io,
     Internal,
+    /// The stdin of a background process is closed (or was never a stream).
+    StdinClosed,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -316,6 +348,75 @@ pub struct Written {
     pub bytes: u64,
 }
 
+/// The answer to [`Attach`], before any event.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attached {
+    pub exec_id: u64,
+    pub pid: u32,
+    /// The process has not exited yet.
+    pub running: bool,
+    /// Sequence number of the oldest event kept.
+    pub first_seq: u64,
+    /// Sequence number the next event will have (one past the newest).
+    pub next_seq: u64,
+}
+
+/// A chunk of a background process's output, event number `seq`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcOutput {
+    pub seq: u64,
+    pub stream: StreamKind,
+    pub data: Bytes,
+}
+
+/// The exit of a background process: its last event, number `seq`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcExit {
+    pub seq: u64,
+    pub exit: Exit,
+}
+
+/// Events `first_seq..=last_seq` were dropped from the ring before this reader got them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gap {
+    pub first_seq: u64,
+    pub last_seq: u64,
+    /// Output bytes those events held, when the agent knows (a reader from the start, or
+    /// one that fell behind while attached); absent for a reader resuming from an event
+    /// the ring no longer holds.
+    pub bytes: Option<u64>,
+}
+
+/// One background process.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcInfo {
+    pub exec_id: u64,
+    pub pid: u32,
+    /// The command and its arguments joined by spaces, for display (cut at
+    /// [`MAX_PROC_COMMAND`](super::MAX_PROC_COMMAND) bytes).
+    pub command: String,
+    pub running: bool,
+    /// Set once the process has exited (its last event).
+    pub exit: Option<Exit>,
+    /// When it started: milliseconds since the Unix epoch (the guest's clock).
+    pub started_unix_ms: u64,
+    /// Its stdin is a stream still open for [`ProcStdin`].
+    pub stdin_open: bool,
+    /// Oldest event kept, and the number the next event will have.
+    pub first_seq: u64,
+    pub next_seq: u64,
+    /// Events and output bytes the ring dropped to stay within its bound.
+    pub dropped_events: u64,
+    pub dropped_bytes: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Procs {
+    pub procs: Vec<ProcInfo>,
+    /// More batches follow.
+    pub more: bool,
+}
+
 /// What an identity refresh did; each step is tried even if an earlier one failed.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdentityDone {
@@ -394,6 +495,9 @@ messages! {
     StdinData = 0x0103,
     StdinClose = 0x0104,
     Kill = 0x0105,
+    Attach = 0x0106,
+    ProcStdin = 0x0107,
+    ProcList = 0x0108,
     List = 0x0110,
     Stat = 0x0111,
     Read = 0x0112,
@@ -416,6 +520,11 @@ messages! {
     ReadEnd = 0x020a,
     Written = 0x020b,
     IdentityDone = 0x020c,
+    Attached = 0x020d,
+    ProcOutput = 0x020e,
+    ProcExit = 0x020f,
+    Gap = 0x0210,
+    Procs = 0x0211,
 }
 
 impl ErrorMsg {

@@ -17,7 +17,10 @@ pub use messages::*;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"SPAG";
 /// The protocol version this build speaks (and the only one it accepts).
-pub const VERSION: u16 = 1;
+///
+/// 1: exec, files, identity. 2: background processes (`Exec.background`, `Attach`,
+/// `ProcStdin`, `ProcList` and their answers).
+pub const VERSION: u16 = 2;
 /// Size of the frame header.
 pub const HEADER_LEN: usize = 20;
 /// Largest payload of one frame. Data moves in chunks of at most [`MAX_CHUNK`] bytes,
@@ -29,6 +32,12 @@ pub const MAX_CHUNK: usize = 256 * 1024;
 pub const MAX_PATH: usize = 4096;
 /// Default per-stream output cap of an exec (stdout and stderr each).
 pub const DEFAULT_OUTPUT_LIMIT: u64 = 16 << 20;
+/// Longest command line a process listing shows, in bytes.
+pub const MAX_PROC_COMMAND: usize = 1024;
+/// Default bound, in bytes, of a background process's ring of events.
+pub const DEFAULT_RING_BYTES: usize = 1 << 20;
+/// Default number of finished background processes kept (oldest evicted first).
+pub const DEFAULT_MAX_FINISHED: usize = 64;
 /// Vsock port the agent listens on in a VM.
 pub const DEFAULT_VSOCK_PORT: u32 = 1024;
 /// Bytes of entropy an identity refresh carries.

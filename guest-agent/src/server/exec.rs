@@ -1,5 +1,10 @@
 //! Exec: spawn a process in its own process group, stream its output, report its exit.
 //!
+//! A foreground exec belongs to its connection: its output goes there, and if the
+//! connection closes the process group is killed. A background exec (`background: true`)
+//! belongs to the agent: its output goes to its ring (see `procs`), with no
+//! backpressure, and no connection's fate touches it.
+//!
 //! Output: each stream is read in chunks of at most [`OUTPUT_CHUNK`] bytes and sent in
 //! the order read. Up to the cap the agent applies backpressure (a host that stops
 //! reading stops the process once the pipe fills); past the cap it keeps reading and
@@ -30,10 +35,10 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 
+use super::procs::Proc;
 use super::{reply_error, Reader, Shared};
 use crate::protocol::{
-    self, Bytes, ErrorCode, ErrorMsg, Exec, ExecStarted, Exit, Message, Output, StdinMode,
-    StreamKind,
+    Bytes, ErrorCode, ErrorMsg, Exec, ExecStarted, Exit, Message, Output, StdinMode, StreamKind,
 };
 use crate::wire::{write_frame, WireError};
 
@@ -88,12 +93,12 @@ impl ExecTable {
     }
 }
 
-/// Removes the exec from the table however `run` ends.
-struct Registered<'a>(&'a ExecTable, u64);
+/// Removes the exec from the table however its run ends.
+struct Registered(Arc<Shared>, u64);
 
-impl Drop for Registered<'_> {
+impl Drop for Registered {
     fn drop(&mut self) {
-        self.0.unregister(self.1);
+        self.0.execs.unregister(self.1);
     }
 }
 
@@ -166,8 +171,9 @@ fn command(root: &Path, req: &Exec) -> Result<Command, ErrorMsg> {
     Ok(cmd)
 }
 
-/// Runs one exec on this connection: `ExecStarted`, output, `Exit`. Returns an error
-/// when the connection is no longer usable.
+/// Runs one exec on this connection: `ExecStarted`, output, `Exit`; or, for a
+/// background exec, `ExecStarted` alone, the process then running on its own task.
+/// Returns an error when the connection is no longer usable.
 pub(super) async fn run<S>(
     sh: &Arc<Shared>,
     reader: &Reader<S>,
@@ -178,13 +184,18 @@ pub(super) async fn run<S>(
 where
     S: tokio::io::AsyncRead + AsyncWrite + Send + 'static,
 {
-    let Ok(_slot) = sh.exec_slots.clone().try_acquire_owned() else {
-        let why = format!("Too many execs running (at most {})", sh.config.max_execs);
+    let Ok(slot) = sh.exec_slots.clone().try_acquire_owned() else {
+        let why = format!(
+            "Too many execs running (at most {}, background ones included)",
+            sh.config.max_execs
+        );
         return reply_error(w, id, ErrorCode::Busy, why).await;
     };
-    let limit = req
-        .output_limit
-        .map_or(sh.config.output_limit, |l| l.min(sh.config.output_limit));
+    let limit = match (req.background, req.output_limit) {
+        // The ring bounds a background process's memory: only the request's cap applies.
+        (true, l) => l.unwrap_or(u64::MAX),
+        (false, l) => l.map_or(sh.config.output_limit, |l| l.min(sh.config.output_limit)),
+    };
     let mut cmd = match command(&sh.config.root, &req) {
         Ok(c) => c,
         Err(e) => return write_frame(w, id, &e.into()).await,
@@ -202,8 +213,12 @@ where
     let pgid = Pid::from_raw(pid as i32)
         .ok_or_else(|| WireError::Io(std::io::Error::other("child has no pid")))?;
     let exec_id = sh.execs.register(pgid);
-    let _registered = Registered(&sh.execs, exec_id);
-    debug!("exec {exec_id}: pid {pid} {:?}", req.command);
+    let registered = Registered(sh.clone(), exec_id);
+    debug!(
+        "exec {exec_id}: pid {pid} {:?}{}",
+        req.command,
+        if req.background { " (background)" } else { "" }
+    );
 
     let stdin = child.stdin.take();
     let (stdin_bytes, stdin_stream) = match req.stdin {
@@ -216,13 +231,100 @@ where
             let _ = s.write_all(&bytes).await;
         })
     });
+    let deadline = req.timeout_ms.map(|ms| start + Duration::from_millis(ms));
+
+    if req.background {
+        let proc = sh
+            .procs
+            .insert(exec_id, pid, &req.command, &req.argv, stdin_stream);
+        let sh = sh.clone();
+        tokio::spawn(async move {
+            let mut sink = Sink::<tokio::io::Sink>::Ring(&proc);
+            let exit = follow(child, pgid, start, deadline, limit, feeder, None, &mut sink).await;
+            debug!("exec {exec_id} (background): {exit:?}");
+            // No longer signalled, no longer counted, no longer fed; then visible.
+            drop(registered);
+            drop(slot);
+            proc.close_stdin().await;
+            sh.procs.finished(exec_id);
+            proc.push_exit(exit);
+        });
+        // The process is the agent's now: a connection that fails here changes nothing.
+        return write_frame(w, id, &ExecStarted { exec_id, pid }.into()).await;
+    }
 
     if let Err(e) = write_frame(w, id, &ExecStarted { exec_id, pid }.into()).await {
         let _ = kill_process_group(pgid, Signal::KILL);
         let _ = child.wait().await;
         return Err(e);
     }
+    let watcher = tokio::spawn(watch(reader.clone(), stdin_stream, id));
+    let mut sink = Sink::Conn { w, id, ok: true };
+    let exit = follow(
+        child,
+        pgid,
+        start,
+        deadline,
+        limit,
+        feeder,
+        Some(watcher),
+        &mut sink,
+    )
+    .await;
+    debug!("exec {exec_id}: {exit:?}");
+    drop(registered);
+    match sink {
+        Sink::Conn { w, ok: true, .. } => write_frame(w, id, &exit.into()).await,
+        _ => Err(WireError::Io(std::io::ErrorKind::ConnectionAborted.into())),
+    }
+}
 
+/// Where output goes: the exec's connection (with backpressure), or a background
+/// process's ring (without: the ring drops its oldest events instead).
+enum Sink<'a, W> {
+    Conn { w: &'a mut W, id: u64, ok: bool },
+    Ring(&'a Proc),
+}
+
+impl<W: AsyncWrite + Unpin> Sink<'_, W> {
+    /// Delivers a chunk; false if that broke the connection (after which chunks are
+    /// dropped).
+    async fn put(&mut self, (stream, data): (StreamKind, Vec<u8>)) -> bool {
+        match self {
+            Sink::Conn { ok: false, .. } => true,
+            Sink::Conn { w, id, ok } => {
+                let msg = Output {
+                    stream,
+                    data: Bytes::from(data),
+                };
+                if write_frame(*w, *id, &msg.into()).await.is_err() {
+                    *ok = false;
+                    return false;
+                }
+                true
+            }
+            Sink::Ring(p) => {
+                p.push_output(stream, &data);
+                true
+            }
+        }
+    }
+}
+
+/// Follows a spawned process to its end: pumps its output into `sink`, enforces the
+/// deadline, watches the connection (a foreground exec's `watcher`), drains the pipes;
+/// its `Exit`.
+#[allow(clippy::too_many_arguments)]
+async fn follow<W: AsyncWrite + Unpin>(
+    mut child: Child,
+    pgid: Pid,
+    start: Instant,
+    deadline: Option<Instant>,
+    limit: u64,
+    feeder: Option<JoinHandle<()>>,
+    watcher: Option<JoinHandle<()>>,
+    sink: &mut Sink<'_, W>,
+) -> Exit {
     // The pipes' read ends, duplicated: the drain asks them for unread output.
     let pipes: Vec<OwnedFd> = [
         child
@@ -248,7 +350,6 @@ where
                 StreamKind::Stdout,
                 limit,
                 tx.clone(),
-                id,
                 out_stats.clone(),
             ))
         }),
@@ -258,29 +359,23 @@ where
                 StreamKind::Stderr,
                 limit,
                 tx.clone(),
-                id,
                 err_stats.clone(),
             ))
         }),
     ];
     drop(tx);
-    let watcher = tokio::spawn(watch(reader.clone(), stdin_stream, id));
 
-    let deadline = req.timeout_ms.map(|ms| start + Duration::from_millis(ms));
-    let run = supervise(child, pgid, deadline, &mut rx, &pipes, watcher, w).await;
+    let run = supervise(child, pgid, deadline, &mut rx, &pipes, watcher, sink).await;
 
     for task in pumps.into_iter().flatten().chain(feeder) {
         task.abort();
         let _ = task.await;
     }
     // A pump that was reading as the drain ended has queued what it read.
-    let mut client_ok = run.client_ok;
-    while let Ok(frame) = rx.try_recv() {
-        if client_ok && w.write_all(&frame).await.is_err() {
-            client_ok = false;
-        }
+    while let Ok(chunk) = rx.try_recv() {
+        sink.put(chunk).await;
     }
-    let exit = Exit {
+    Exit {
         code: run.status.code(),
         signal: run.status.signal(),
         duration_us: run
@@ -292,31 +387,25 @@ where
         stderr_truncated: err_stats.truncated.load(Ordering::Relaxed),
         stdout_bytes: out_stats.total.load(Ordering::Relaxed),
         stderr_bytes: err_stats.total.load(Ordering::Relaxed),
-    };
-    debug!("exec {exec_id}: {exit:?}");
-    if !client_ok {
-        return Err(WireError::Io(std::io::ErrorKind::ConnectionAborted.into()));
     }
-    write_frame(w, id, &exit.into()).await
 }
 
 struct RunEnd {
     status: ExitStatus,
     exited_after: Instant,
     timed_out: bool,
-    client_ok: bool,
 }
 
-/// Forwards output frames, enforces the timeout, and watches the connection until the
+/// Forwards output, enforces the timeout, and watches the connection (if any) until the
 /// process has exited and its output is drained.
 async fn supervise<W: AsyncWrite + Unpin>(
     mut child: Child,
     pgid: Pid,
     deadline: Option<Instant>,
-    rx: &mut mpsc::Receiver<Vec<u8>>,
+    rx: &mut mpsc::Receiver<(StreamKind, Vec<u8>)>,
     pipes: &[OwnedFd],
-    mut watcher: JoinHandle<()>,
-    w: &mut W,
+    mut watcher: Option<JoinHandle<()>>,
+    sink: &mut Sink<'_, W>,
 ) -> RunEnd {
     let far = Instant::now() + Duration::from_secs(86400 * 365);
     // The timer is a task of its own so that it fires even while a slow host holds up
@@ -331,8 +420,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
             let _ = kill_process_group(pgid, Signal::KILL);
         })
     });
-    let mut client_ok = true;
-    let mut watching = true;
+    let mut watching = watcher.is_some();
     let mut pumps_done = false;
     let mut exited: Option<(ExitStatus, Instant)> = None;
     let mut drain_until = far;
@@ -343,13 +431,12 @@ async fn supervise<W: AsyncWrite + Unpin>(
         }
         tokio::select! {
             biased;
-            frame = rx.recv(), if !pumps_done => match frame {
-                Some(bytes) => {
+            chunk = rx.recv(), if !pumps_done => match chunk {
+                Some(chunk) => {
                     if exited.is_some() {
                         drain_until = (Instant::now() + DRAIN_IDLE).min(drain_max);
                     }
-                    if client_ok && w.write_all(&bytes).await.is_err() {
-                        client_ok = false;
+                    if !sink.put(chunk).await {
                         let _ = kill_process_group(pgid, Signal::KILL);
                     }
                 }
@@ -367,9 +454,11 @@ async fn supervise<W: AsyncWrite + Unpin>(
                 drain_until = now + DRAIN_IDLE;
             },
             // The watcher only ends when the host is gone (or broke the protocol).
-            _ = &mut watcher, if watching => {
+            _ = async { watcher.as_mut().expect("watching").await }, if watching => {
                 watching = false;
-                client_ok = false;
+                if let Sink::Conn { ok, .. } = sink {
+                    *ok = false;
+                }
                 let _ = kill_process_group(pgid, Signal::KILL);
             },
             _ = sleep_until(drain_until), if exited.is_some() => {
@@ -387,9 +476,9 @@ async fn supervise<W: AsyncWrite + Unpin>(
             },
         }
     }
-    if watching {
-        watcher.abort();
-        let _ = watcher.await;
+    if let Some(w) = watcher.filter(|_| watching) {
+        w.abort();
+        let _ = w.await;
     }
     if let Some(t) = timer {
         t.abort();
@@ -401,7 +490,6 @@ async fn supervise<W: AsyncWrite + Unpin>(
         status,
         exited_after,
         timed_out: timed_out.load(Ordering::SeqCst),
-        client_ok,
     }
 }
 
@@ -410,8 +498,7 @@ async fn pump(
     mut pipe: impl AsyncRead + Unpin,
     stream: StreamKind,
     limit: u64,
-    tx: mpsc::Sender<Vec<u8>>,
-    id: u64,
+    tx: mpsc::Sender<(StreamKind, Vec<u8>)>,
     stats: Arc<StreamStats>,
 ) {
     let mut buf = vec![0u8; OUTPUT_CHUNK];
@@ -430,18 +517,8 @@ async fn pump(
             continue;
         }
         sent += keep as u64;
-        let msg: Message = Output {
-            stream,
-            data: Bytes::from(buf[..keep].to_vec()),
-        }
-        .into();
-        match protocol::encode(id, &msg) {
-            // A closed receiver means the exec is over: keep draining regardless.
-            Ok(frame) => {
-                let _ = tx.send(frame).await;
-            }
-            Err(e) => debug!("cannot encode output: {e}"),
-        }
+        // A closed receiver means the exec is over: keep draining regardless.
+        let _ = tx.send((stream, buf[..keep].to_vec())).await;
     }
 }
 

@@ -5,10 +5,13 @@
 //! next is read. Concurrency comes from connections: the host opens one per exec and
 //! keeps a pool for the rest. While an exec runs, its connection carries only its stdin
 //! (`StdinData`, `StdinClose`); if the connection closes (or carries anything else) the
-//! agent kills the exec's process group.
+//! agent kills the exec's process group. A background exec is the exception: it is
+//! answered at once and runs on, owned by the agent (see `procs`).
 
 mod exec;
 mod files;
+mod procs;
+mod ring;
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -23,12 +26,14 @@ use tokio::sync::{Mutex, Semaphore};
 use crate::files::Resolver;
 use crate::identity;
 use crate::protocol::{
-    self, ErrorCode, ErrorMsg, Message, Pong, ProtocolError, DEFAULT_OUTPUT_LIMIT, MAX_PAYLOAD,
-    VERSION,
+    self, ErrorCode, ErrorMsg, Message, Pong, ProtocolError, DEFAULT_MAX_FINISHED,
+    DEFAULT_OUTPUT_LIMIT, DEFAULT_RING_BYTES, MAX_PAYLOAD, VERSION,
 };
 use crate::wire::{write_frame, FrameReader, WireError};
 
 pub use exec::ExecTable;
+pub use procs::{ProcTable, PROC_BATCH, STDIN_WAIT};
+pub use ring::EVENT_OVERHEAD;
 
 /// How the agent runs.
 #[derive(Clone, Debug)]
@@ -38,8 +43,14 @@ pub struct Config {
     pub resolver: Resolver,
     /// Per-stream output cap of an exec (requests may only lower it).
     pub output_limit: u64,
-    /// Most execs running at once; more are refused with `Busy`.
+    /// Most execs running at once (background ones included); more are refused with
+    /// `Busy`.
     pub max_execs: usize,
+    /// Bound, in bytes, of each background process's ring of events.
+    pub ring_bytes: usize,
+    /// Finished background processes kept (for `Attach` and `ProcList`); past it the
+    /// earliest finished is forgotten.
+    pub max_finished: usize,
     /// Most connections served at once; more are closed on accept.
     pub max_connections: usize,
     /// Accept identity refresh (only the agent started by PID 1 in a VM sets this).
@@ -53,6 +64,8 @@ impl Default for Config {
             resolver: Resolver::Openat2,
             output_limit: DEFAULT_OUTPUT_LIMIT,
             max_execs: 256,
+            ring_bytes: DEFAULT_RING_BYTES,
+            max_finished: DEFAULT_MAX_FINISHED,
             max_connections: 1024,
             allow_identity: false,
         }
@@ -74,6 +87,7 @@ pub enum ServerError {
 struct Shared {
     config: Config,
     execs: ExecTable,
+    procs: ProcTable,
     exec_slots: Arc<Semaphore>,
     conn_slots: Arc<Semaphore>,
 }
@@ -90,6 +104,7 @@ impl Server {
     pub fn new(config: Config) -> Self {
         let shared = Shared {
             execs: ExecTable::default(),
+            procs: ProcTable::new(config.max_finished, config.ring_bytes),
             exec_slots: Arc::new(Semaphore::new(config.max_execs)),
             conn_slots: Arc::new(Semaphore::new(config.max_connections)),
             config,
@@ -237,6 +252,9 @@ impl Server {
                 };
                 write_frame(w, id, &answer).await
             }
+            Message::Attach(req) => procs::attach(sh, reader, w, id, req).await,
+            Message::ProcStdin(req) => procs::stdin(sh, w, id, req).await,
+            Message::ProcList(_) => procs::list(sh, w, id).await,
             Message::List(req) => files::list(&sh.config, w, id, req).await,
             Message::Stat(req) => files::stat(&sh.config, w, id, req).await,
             Message::Read(req) => files::read(&sh.config, w, id, req).await,
