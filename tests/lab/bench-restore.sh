@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The "restored VMs must never wedge" reproduction (issue #18), too slow for
+# CI: tests/lab/restore-stress.sh run RUNS times in the lab, PER_BOOT
+# iterations per outer VM boot, with the outer VM at --smp 1 or 2 (or
+# alternating). Each iteration boots an original Linux VM with in-flight
+# O_DIRECT I/O and a memory checker (tests/lab/inflight.py), snapshots it
+# full and then diff under that I/O, restores each snapshot twice at once
+# (mmap, uffd) beside the running original, and checks every VM's data. A
+# step that does not finish in time is a hang: the lab script dumps every
+# vCPU (and the outer kernel's view), and this script symbolises the guest
+# RIPs against the guest kernel.
+#
+# Usage: tests/lab/bench-restore.sh [--runs N] [--per-boot K] [--smp 1|2|alt]
+#                                   [--guest-cpus N] [--jobs J] [--out DIR]
+#   defaults: 50 runs, 5 per boot, smp alt, 2 guest vCPUs, 1 job, out
+#   /tmp/sprout-restore-stress. --jobs runs that many labs at once (each is
+#   one emulated CPU per --smp).
+# Prints one line per boot, then a summary, and a JSON line
+# {"bench":"restore-stress",...}. Exits 1 if any iteration was not ok.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+runs=50 per_boot=5 smp=alt guest_cpus=2 jobs=1 out=/tmp/sprout-restore-stress
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --runs) runs=$2; shift 2 ;;
+    --per-boot) per_boot=$2; shift 2 ;;
+    --smp) smp=$2; shift 2 ;;
+    --guest-cpus) guest_cpus=$2; shift 2 ;;
+    --jobs) jobs=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+say() { printf '[bench-restore %s] %s\n' "$(date +%T)" "$*" >&2; }
+
+"$here/build.sh" >/dev/null
+vmlinux=$("$root/guest/build-kernel.sh" 2>/dev/null)
+mkdir -p "$out"
+boots=$(( (runs + per_boot - 1) / per_boot ))
+say "$runs iterations, $per_boot per boot ($boots boots), outer smp $smp, guest vCPUs $guest_cpus, $jobs at once; logs in $out"
+
+one_boot() {
+  local b=$1 s=$2
+  local n=$per_boot
+  [ $(( b * per_boot )) -le "$runs" ] || n=$(( runs - (b - 1) * per_boot ))
+  local log=$out/boot-$b
+  local rc=0
+  # Lab-time step limit 400 s; the host limit leaves room for every step.
+  "$here/run.sh" --timeout $(( n * 1200 + 300 )) --smp "$s" --log "$log.console" - \
+    "$here/inflight.py" "$here/restore-stress.sh" >"$log.out" 2>"$log.err" <<EOF || rc=$?
+ITERATIONS=$n GUEST_CPUS=$guest_cpus DATA_MIB=1 MEM_MIB=4 PASSES=1 STEP_TIMEOUT=400 sh /lab/restore-stress.sh
+EOF
+  echo "$rc" >"$log.rc"
+  local ok hang
+  ok=$(grep -c '^result: iteration [0-9]* ok' "$log.out" || true)
+  hang=$(grep -c '^result: iteration [0-9]* hang' "$log.out" || true)
+  say "boot $b (smp $s): $ok of $n ok, $hang hung, lab status $rc"
+}
+
+b=1
+while [ "$b" -le "$boots" ]; do
+  for _ in $(seq "$jobs"); do
+    [ "$b" -le "$boots" ] || break
+    case "$smp" in
+      alt) s=$(( (b % 2) + 1 )) ;;
+      *) s=$smp ;;
+    esac
+    one_boot "$b" "$s" &
+    b=$((b + 1))
+  done
+  wait
+done
+
+# Symbolise every rip= of the dumps against the guest kernel.
+if grep -l 'rip=0x' "$out"/boot-*.out >/dev/null 2>&1 && [ -f "$vmlinux" ]; then
+  nm -n "$vmlinux" | grep -i ' [tw] ' >"$out/vmlinux.syms" || true
+  python3 - "$out/vmlinux.syms" "$out"/boot-*.out <<'PY'
+import bisect, re, sys
+syms = []
+for line in open(sys.argv[1]):
+    a, _, name = line.split()[:3]
+    syms.append((int(a, 16), name))
+addrs = [a for a, _ in syms]
+for path in sys.argv[2:]:
+    text = open(path).read()
+    def sub(m):
+        rip = int(m.group(1), 16)
+        i = bisect.bisect_right(addrs, rip) - 1
+        name = "%s+%#x" % (syms[i][1], rip - syms[i][0]) if i >= 0 and rip >= 0xffffffff80000000 else "user"
+        return "%s sym=%s" % (m.group(0), name)
+    new = re.sub(r"rip=(0x[0-9a-f]+)", sub, text)
+    if new != text:
+        open(path, "w").write(new)
+PY
+fi
+
+total_ok=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* ok' || true)
+total_hang=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* hang' || true)
+total_err=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* errors' || true)
+lab_fail=$(cat "$out"/boot-*.rc | grep -vc '^[01]$' || true)
+say "done: $total_ok of $runs iterations ok, $total_hang hung, $total_err with data errors; $lab_fail boots where the lab itself failed"
+for f in "$out"/boot-*.out; do
+  grep -q '=== HANG' "$f" && say "hang dump: $f"
+done
+printf '{"bench":"restore-stress","runs":%d,"ok":%d,"hang":%d,"errors":%d,"lab_failures":%d,"smp":"%s","guest_cpus":%d}\n' \
+  "$runs" "$total_ok" "$total_hang" "$total_err" "$lab_fail" "$smp" "$guest_cpus"
+[ "$total_ok" = "$runs" ]
