@@ -182,13 +182,16 @@ def run(d, mib, threads, mem_mib, ready_fd):
         if why:
             st.error("final check: block %d %s" % (b, why))
     st.publish()
-    with open(os.path.join(d, "done"), "w") as f:
+    # Whole or absent: a reader polls for it.
+    tmp = os.path.join(d, "done.tmp")
+    with open(tmp, "w") as f:
         f.write(st.line() + "\n")
+    os.rename(tmp, os.path.join(d, "done"))
 
 
 def start(d, mib, threads, mem_mib):
     os.makedirs(d, exist_ok=True)
-    for name in ("status", "errors.log", "stop", "done"):
+    for name in ("status", "errors.log", "stop", "done", "done.tmp"):
         try:
             os.unlink(os.path.join(d, name))
         except FileNotFoundError:
