@@ -111,10 +111,32 @@ restore() {
   socks="$socks /tmp/$1.sock"
 }
 
-# check NAME: the restored (or original) VM's workload adds PASSES passes, error-free.
+# entries NAME VCPU FILE: that vCPU's KVM_RUN entries in a saved "vcpus" dump.
+entries() {
+  sed -n "s/^vcpu$2 in_kvm_run=[a-z]* entries=\([0-9]*\) .*/\1/p" "$3"
+}
+
+# check NAME: the restored (or original) VM's workload adds PASSES passes,
+# error-free, and every one of its vCPUs entered KVM_RUN again meanwhile.
 check() {
+  timeout -s KILL 60 sprout vm ctl --api-sock "/tmp/$1.sock" vcpus >"/tmp/$1.vcpus-a" ||
+    { echo "cannot inspect $1"; return 3; }
   step "$1: the workload progresses" sprout vm exec --api-sock "/tmp/$1.sock" --exec \
     "python3 /workspace/inflight.py wait $W --more $PASSES --timeout $STEP_TIMEOUT" || return $?
+  timeout -s KILL 60 sprout vm ctl --api-sock "/tmp/$1.sock" vcpus >"/tmp/$1.vcpus-b" ||
+    { echo "cannot inspect $1"; return 3; }
+  ran=""
+  for i in $(seq 0 $((GUEST_CPUS - 1))); do
+    ea=$(entries "$1" "$i" "/tmp/$1.vcpus-a")
+    eb=$(entries "$1" "$i" "/tmp/$1.vcpus-b")
+    if [ -z "$ea" ] || [ -z "$eb" ] || [ "$eb" -le "$ea" ]; then
+      echo "vCPU $i of $1 did not run between two inspections ($ea -> $eb):"
+      cat "/tmp/$1.vcpus-a" "/tmp/$1.vcpus-b"
+      return 4
+    fi
+    ran="$ran vcpu$i:$ea->$eb"
+  done
+  echo "vcpus-ran: $1$ran"
 }
 
 iteration() {

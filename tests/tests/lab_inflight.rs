@@ -5,7 +5,7 @@
 //! block of its slice, and a memory checker); a full and then a diff snapshot
 //! are taken while that I/O runs; each is restored twice at once (mmap and
 //! uffd) beside the running original; every VM must go on making passes with
-//! no error, and a last check of every block at the end must find each block
+//! no error while each of its vCPUs enters `KVM_RUN` again, and a last check of every block at the end must find each block
 //! whole and its own. The checker's negative control (a corrupted and a
 //! misplaced block) runs first and must find exactly those two.
 //!
@@ -39,6 +39,8 @@ fn in_flight_io_survives_full_and_diff_snapshots_and_concurrent_restores() {
         6,
         "expected 6 progress checks:\n{o}"
     );
+    // Every vCPU of every checked VM entered KVM_RUN again meanwhile.
+    assert_eq!(o.matches("vcpus-ran: ").count(), 6, "{o}");
     // ...and five final checks of every block, all error-free.
     let finals: Vec<&str> = o
         .lines()
