@@ -203,7 +203,12 @@ async fn swap_race(agent: &Agent) {
     };
     let c = agent.client();
     let (mut inside, mut refusals) = (0, 0);
-    for i in 0..400 {
+    // At least 400 rounds, and on until the race has hit both sides (a loaded
+    // machine may starve the flipper for a while), within a generous limit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut i = 0;
+    while (i < 400 || inside == 0 || refusals == 0) && std::time::Instant::now() < deadline {
+        i += 1;
         match read(&c, "flip/f").await {
             Ok(d) => {
                 assert_eq!(d, b"inside", "read through a swapped-in symlink");

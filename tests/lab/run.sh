@@ -2,7 +2,7 @@
 # Runs a shell script inside the emulated hardware-virtualization lab (built by
 # tests/lab/build.sh) and brings back its output and exit status.
 #
-# Usage: tests/lab/run.sh [--timeout SECS] [--smp N] [--log FILE] SCRIPT [FILE...]
+# Usage: tests/lab/run.sh [--timeout SECS] [--stall SECS] [--smp N] [--log FILE] SCRIPT [FILE...]
 #   SCRIPT     a shell script (or - for stdin), run as /lab/script.sh with sh
 #              (busybox) in /tmp of the outer VM; PATH has sprout, and
 #              SPROUT_CACHE=/opt/sprout holds vmlinux, testguest and images/
@@ -13,10 +13,17 @@
 #              the outer kernel's KVM once locked up with both emulated CPUs
 #              spinning, "soft lockup" in kvm-pit and a kworker; 1 is as fast)
 #   --log      keep the whole serial console (kernel messages included) here
+#   --stall    host seconds without the lab kernel's heartbeat (it prints one
+#              every 10 s of its own time) after which the emulated machine
+#              counts as frozen (default 240): QEMU's monitor then shows where
+#              each emulated CPU is (info cpus, info registers, twice), the
+#              RIPs are printed for symbolising, and the run ends with 127
 # Prints the script's output (between the lab's markers) on stdout and exits
 # with the script's status; 124 if the host-time limit passed, 125 if the lab
 # itself failed (no exit marker: the console is then printed on stderr), 126 if
-# the outer kernel locked up (it panics on a soft lockup rather than hang).
+# the outer kernel locked up (it panics on a soft lockup rather than hang), 127
+# if the emulated machine froze (no heartbeat: not a test's own hang, which the
+# lab kernel would outlive).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,6 +31,7 @@ cache=${SPROUT_CACHE:-$HOME/.cache/sprout}
 lab=${SPROUT_LAB:-$cache/lab}
 timeout=600
 smp=${SPROUT_LAB_SMP:-1}
+stall=240
 log=
 
 say() { printf '[lab-run %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -33,6 +41,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --timeout) timeout=$2; shift 2 ;;
     --smp) smp=$2; shift 2 ;;
+    --stall) stall=$2; shift 2 ;;
     --log) log=$2; shift 2 ;;
     --) shift; break ;;
     -?*) die "unknown option $1" ;;
@@ -67,12 +76,51 @@ console=${log:-$tmp/console}
 # The lab's own clock runs close to the host's: a state dump a minute before
 # the limit shows what hung (tests/lab/init).
 diag=$(( timeout > 120 ? timeout - 60 : timeout * 3 / 4 ))
+# QEMU's human monitor on two FIFOs: what the emulated CPUs do when the
+# lab's kernel stops (its own diagnostics cannot run then).
+mkfifo "$tmp/mon.in" "$tmp/mon.out"
+: >"$console"
 SECONDS=0
 set +e
 timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G -smp "$smp" \
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
-  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag" "${disk[@]}" </dev/null >"$console" 2>&1
+  -chardev "pipe,id=mon,path=$tmp/mon" -mon chardev=mon,mode=readline \
+  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag" "${disk[@]}" </dev/null >"$console" 2>&1 &
+qemu=$!
+# Keep the monitor's output drained (and kept), and a writer open on its input.
+cat "$tmp/mon.out" >"$tmp/monitor.log" &
+exec 8>"$tmp/mon.in"
+froze=0
+last_beats=0
+quiet=0
+while kill -0 "$qemu" 2>/dev/null; do
+  sleep 5
+  beats=$(grep -c 'SPROUT-LAB-HEARTBEAT' "$console" 2>/dev/null || true)
+  if [ "$beats" != "$last_beats" ]; then
+    last_beats=$beats
+    quiet=0
+    continue
+  fi
+  # The heartbeat starts with the test script: before it, boot time counts too.
+  quiet=$((quiet + 5))
+  if [ "$quiet" -ge "$stall" ]; then
+    froze=1
+    say "no heartbeat from the lab's kernel for ${quiet} s (host time): the emulated machine froze; QEMU's view:"
+    for round in 1 2; do
+      echo "info cpus" >&8
+      echo "info registers -a" >&8
+      sleep 2
+    done
+    sleep 1
+    tr -d '\r' <"$tmp/monitor.log" | grep -E '^\*? *CPU #|^RIP=|^RAX=|^CR0=|^EFL|^CS ' >&2 || true
+    [ -n "$log" ] && cp "$tmp/monitor.log" "$log.monitor"
+    kill "$qemu" 2>/dev/null
+    break
+  fi
+done
+wait "$qemu"
 qemu_status=$?
+exec 8>&-
 set -e
 say "outer VM ran ${SECONDS} s (host time)"
 
@@ -80,7 +128,13 @@ tr -d '\r' <"$console" >"$tmp/console.txt"
 # (The outer console may put terminal escapes before a marker.)
 status=$(sed -n 's/^.*===SPROUT-LAB-EXIT \([0-9]*\)===$/\1/p' "$tmp/console.txt" | tail -1)
 # The script's output: everything between the markers.
-sed -n '/===SPROUT-LAB-BEGIN===$/,/===SPROUT-LAB-EXIT [0-9]*===$/p' "$tmp/console.txt" | sed '1d;$d'
+sed -n '/===SPROUT-LAB-BEGIN===$/,/===SPROUT-LAB-EXIT [0-9]*===$/p' "$tmp/console.txt" | sed '1d;$d' |
+  grep -v '===SPROUT-LAB-HEARTBEAT' || true
+if [ "$froze" = 1 ] && [ -z "$status" ]; then
+  say "the emulated machine froze (no heartbeat for $stall s); console tail:"
+  grep -v '===SPROUT-LAB-HEARTBEAT' "$tmp/console.txt" | tail -n 40 >&2
+  exit 127
+fi
 if [ -z "$status" ]; then
   if [ "$qemu_status" = 124 ] || [ "$qemu_status" = 137 ]; then
     say "timed out after $timeout s (host time); console:"
