@@ -74,27 +74,35 @@ while [ "$b" -le "$boots" ]; do
 done
 
 # Symbolise every rip= of the dumps against the guest kernel.
-if grep -l 'rip=0x' "$out"/boot-*.out >/dev/null 2>&1 && [ -f "$vmlinux" ]; then
+if grep -l 'rip=0x\|RIP=' "$out"/boot-*.out "$out"/boot-*.err >/dev/null 2>&1 && [ -f "$vmlinux" ]; then
   nm -n "$vmlinux" | grep -i ' [tw] ' >"$out/vmlinux.syms" || true
-  python3 - "$out/vmlinux.syms" "$out"/boot-*.out <<'PY'
+  python3 - "$out/vmlinux.syms" "$out"/boot-*.out "$out"/boot-*.err <<'PY'
 import bisect, re, sys
 syms = []
 for line in open(sys.argv[1]):
     a, _, name = line.split()[:3]
     syms.append((int(a, 16), name))
 addrs = [a for a, _ in syms]
+
+def name(rip):
+    """The guest kernel symbol at rip (our vmlinux is loaded at its link address)."""
+    i = bisect.bisect_right(addrs, rip) - 1
+    if rip < 0xffffffff80000000:
+        return "user"
+    if i < 0 or rip - syms[i][0] > 0x100000:
+        return "not-the-guest-kernel"
+    return "%s+%#x" % (syms[i][1], rip - syms[i][0])
+
 for path in sys.argv[2:]:
     text = open(path).read()
-    def sub(m):
-        rip = int(m.group(1), 16)
-        i = bisect.bisect_right(addrs, rip) - 1
-        name = "%s+%#x" % (syms[i][1], rip - syms[i][0]) if i >= 0 and rip >= 0xffffffff80000000 else "user"
-        return "%s sym=%s" % (m.group(0), name)
-    new = re.sub(r"rip=(0x[0-9a-f]+)", sub, text)
+    # sprout vm ctl vcpus: rip=0x...; QEMU's view of a frozen lab: RIP=<16 hex>.
+    new = re.sub(r"rip=(0x[0-9a-f]+)", lambda m: "%s sym=%s" % (m.group(0), name(int(m.group(1), 16))), text)
+    new = re.sub(r"RIP=([0-9a-f]{16})", lambda m: "%s sym=%s" % (m.group(0), name(int(m.group(1), 16))), new)
     if new != text:
         open(path, "w").write(new)
 PY
 fi
+# (A frozen lab's QEMU dump is in boot-N.err.)
 
 total_ok=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* ok' || true)
 total_hang=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* hang' || true)

@@ -14,8 +14,8 @@
 #              spinning, "soft lockup" in kvm-pit and a kworker; 1 is as fast)
 #   --log      keep the whole serial console (kernel messages included) here
 #   --stall    host seconds without the lab kernel's heartbeat (it prints one
-#              every 10 s of its own time) after which the emulated machine
-#              counts as frozen (default 240): QEMU's monitor then shows where
+#              every 5 s of its own time, which runs slow) after which the emulated machine
+#              counts as frozen (default 300): QEMU's monitor then shows where
 #              each emulated CPU is (info cpus, info registers, twice), the
 #              RIPs are printed for symbolising, and the run ends with 127
 # Prints the script's output (between the lab's markers) on stdout and exits
@@ -31,7 +31,7 @@ cache=${SPROUT_CACHE:-$HOME/.cache/sprout}
 lab=${SPROUT_LAB:-$cache/lab}
 timeout=600
 smp=${SPROUT_LAB_SMP:-1}
-stall=240
+stall=300
 log=
 
 say() { printf '[lab-run %s] %s\n' "$(date +%T)" "$*" >&2; }
