@@ -13,6 +13,8 @@
 #              the outer kernel's KVM once locked up with both emulated CPUs
 #              spinning, "soft lockup" in kvm-pit and a kworker; 1 is as fast)
 #   --log      keep the whole serial console (kernel messages included) here
+#   --printk   the lab kernel's console log level (default 1: only emergencies,
+#              so kernel messages do not mix with the script's output)
 #   --stall    host seconds without the lab kernel's heartbeat (it prints one
 #              every 5 s of its own time, which runs slow) after which the emulated machine
 #              counts as frozen (default 300): QEMU's monitor then shows where
@@ -32,6 +34,7 @@ lab=${SPROUT_LAB:-$cache/lab}
 timeout=600
 smp=${SPROUT_LAB_SMP:-1}
 stall=300
+printk=1
 log=
 
 say() { printf '[lab-run %s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -42,6 +45,7 @@ while [ $# -gt 0 ]; do
     --timeout) timeout=$2; shift 2 ;;
     --smp) smp=$2; shift 2 ;;
     --stall) stall=$2; shift 2 ;;
+    --printk) printk=$2; shift 2 ;;
     --log) log=$2; shift 2 ;;
     --) shift; break ;;
     -?*) die "unknown option $1" ;;
@@ -85,7 +89,8 @@ set +e
 timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G -smp "$smp" \
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
   -chardev "pipe,id=mon,path=$tmp/mon" -mon chardev=mon,mode=readline \
-  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag" "${disk[@]}" </dev/null >"$console" 2>&1 &
+  -d cpu_reset,guest_errors -D "$tmp/qemu.log" \
+  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag lab.printk=$printk" "${disk[@]}" </dev/null >"$console" 2>&1 &
 qemu=$!
 # Keep the monitor's output drained (and kept), and a writer open on its input.
 cat "$tmp/mon.out" >"$tmp/monitor.log" &
@@ -123,6 +128,7 @@ qemu_status=$?
 exec 8>&-
 set -e
 say "outer VM ran ${SECONDS} s (host time)"
+[ -n "$log" ] && [ -f "$tmp/qemu.log" ] && cp "$tmp/qemu.log" "$log.qemu"
 
 tr -d '\r' <"$console" >"$tmp/console.txt"
 # (The outer console may put terminal escapes before a marker.)
@@ -145,6 +151,13 @@ if [ -z "$status" ]; then
     say "the lab's own kernel locked up (soft lockup: a failure of the emulated machine); console:"
     cat "$tmp/console.txt" >&2
     exit 126
+  fi
+  # QEMU logs every CPU reset (-d cpu_reset): two per CPU at power-on; more is the
+  # emulated machine resetting itself (a triple fault, or a panic rebooting).
+  resets=$(grep -c '^CPU Reset' "$tmp/qemu.log" 2>/dev/null || true)
+  if [ "${resets:-0}" -gt $((2 * smp)) ]; then
+    say "the emulated machine reset itself (a triple fault or a panic of the lab's kernel); QEMU's CPU state at the reset:"
+    grep -A12 '^CPU Reset' "$tmp/qemu.log" | tail -n 13 >&2
   fi
   say "the lab ended without its exit marker (QEMU status $qemu_status); console:"
   cat "$tmp/console.txt" >&2
