@@ -48,7 +48,7 @@ one_boot() {
   local log=$out/boot-$b
   local rc=0
   # Lab-time step limit 400 s; the host limit leaves room for every step.
-  "$here/run.sh" --timeout $(( n * 1200 + 300 )) --smp "$s" --log "$log.console" - \
+  "$here/run.sh" --timeout $(( n * 1200 + 300 )) --smp "$s" --printk 4 --log "$log.console" - \
     "$here/inflight.py" "$here/restore-stress.sh" >"$log.out" 2>"$log.err" <<EOF || rc=$?
 ITERATIONS=$n GUEST_CPUS=$guest_cpus DATA_MIB=1 MEM_MIB=4 PASSES=1 STEP_TIMEOUT=400 sh /lab/restore-stress.sh
 EOF
