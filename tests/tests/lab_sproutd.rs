@@ -1,0 +1,106 @@
+//! sproutd with a real Linux guest, in the emulated hardware-virtualization
+//! lab (see `sprout_tests::lab`): `sprout daemon` runs there, and the script
+//! drives it with `sprout api` (the lab has no curl). Host-side API tests
+//! that need no Linux guest are in service/tests/api.rs.
+
+use serde_json::Value;
+use sprout_tests::lab;
+
+const SCRIPT: &str = r#"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+start_daemon() {
+  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
+  daemon=$!
+  i=0
+  until sprout api GET /v1/health >/dev/null 2>&1; do
+    i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
+    sleep 0.1
+  done
+}
+api() { sprout api "$@" 2>/dev/null; }
+start_daemon
+echo "info: $(api GET /v1/info)"
+out=$(api POST /v1/runtime/schedule '{"cpus":1,"memoryMb":256,"metadata":{"test":"lab"}}') ||
+  { echo "schedule failed: $out"; cat /tmp/sd.log; exit 11; }
+echo "scheduled: $out"
+id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+[ -n "$id" ] || exit 12
+x="/v1/runtime/vms/$id/exec"
+echo "python: $(api POST $x '{"command":"python3","argv":["-c","print(2**100)"]}')"
+echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; echo oops >&2; exit 3"],"env":{"X":"from-env"},"stdin":"fed"}')"
+echo "binary: $(api POST $x '{"command":"printf","argv":["\\377"]}')"
+echo "timeout: $(api POST $x '{"command":"sleep","argv":["60"],"timeoutMs":1000}')"
+echo "list: $(api GET '/v1/runtime/vms?metadata.test=lab')"
+# kill -9 of sproutd: the next one re-adopts the sandbox, which still runs.
+kill -9 $daemon; wait $daemon 2>/dev/null
+start_daemon
+echo "adopted: $(api GET /v1/runtime/vms/$id)"
+echo "again: $(api POST $x '{"command":"cat","argv":["/proc/sys/kernel/hostname"]}')"
+echo "delete: $(api DELETE /v1/runtime/vms/$id)"
+echo "gone: $(api GET /v1/runtime/vms/$id)"
+echo "left: $(api GET /v1/runtime/vms)"
+ps | grep -c '[s]prout worker' | sed 's/^/workers: /'
+kill $daemon; wait $daemon
+echo "daemon-exit: $?"
+"#;
+
+fn json(out: &lab::LabOutput, prefix: &str) -> Value {
+    let v = out.values(prefix);
+    let line = v
+        .first()
+        .unwrap_or_else(|| panic!("no {prefix} line\n{}", out.stdout));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{prefix} {line:?}: {e}\n{}", out.stdout))
+}
+
+#[test]
+fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
+    let out = lab::run(SCRIPT);
+    out.assert_success();
+    let o = &out.stdout;
+    let info = json(&out, "info:");
+    assert_eq!(info["hostMode"]["linuxGuests"], true, "{o}");
+    let s = json(&out, "scheduled:");
+    assert_eq!(s["state"], "running", "{o}");
+    assert_eq!(s["image"], "default", "{o}");
+    let id = s["vmId"].as_str().unwrap();
+
+    let py = json(&out, "python:");
+    assert_eq!(py["stdout"], "1267650600228229401496703205376\n", "{o}");
+    assert_eq!(py["exitCode"], 0, "{o}");
+    assert_eq!(py["timedOut"], false, "{o}");
+    assert_eq!(py["stdoutBase64"], false, "{o}");
+
+    let sh = json(&out, "shell:");
+    assert_eq!(sh["stdout"], "from-env\nfed", "{o}");
+    assert_eq!(sh["stderr"], "oops\n", "{o}");
+    assert_eq!(sh["exitCode"], 3, "{o}");
+
+    let bin = json(&out, "binary:");
+    assert_eq!(bin["stdoutBase64"], true, "{o}");
+    assert_eq!(bin["stdout"], "/w==", "{o}");
+
+    let t = json(&out, "timeout:");
+    assert_eq!(t["timedOut"], true, "{o}");
+    assert_eq!(t["signal"], 9, "{o}");
+
+    let list = json(&out, "list:");
+    assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{o}");
+    assert_eq!(list["vms"][0]["vmId"], id, "{o}");
+
+    let adopted = json(&out, "adopted:");
+    assert_eq!(adopted["state"], "running", "{o}");
+    assert_eq!(adopted["workerPid"], s["workerPid"], "{o}");
+    let again = json(&out, "again:");
+    assert_eq!(again["exitCode"], 0, "{o}");
+    assert!(!again["stdout"].as_str().unwrap().trim().is_empty(), "{o}");
+
+    assert_eq!(json(&out, "delete:")["deleted"], true, "{o}");
+    assert_eq!(json(&out, "gone:")["error"]["code"], "vm_not_found", "{o}");
+    assert_eq!(
+        json(&out, "left:")["vms"].as_array().unwrap().len(),
+        0,
+        "{o}"
+    );
+    assert_eq!(out.values("workers:"), ["0"], "{o}");
+    assert_eq!(out.values("daemon-exit:"), ["0"], "{o}");
+}
