@@ -62,9 +62,17 @@ async fn not_found(req: Request) -> ApiError {
 
 /// Gives every error answer that is not already the envelope (axum's own
 /// 405, the body limit's 413, a caught panic's 500) the envelope, keeping
-/// its status and headers.
-async fn envelope(resp: Response) -> Response {
+/// its status and headers; a 413 closes the connection.
+async fn envelope(mut resp: Response) -> Response {
     let status = resp.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // The rest of the body is not read: the connection cannot carry
+        // another request, and the client must not try to.
+        resp.headers_mut().insert(
+            header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
     let is_json = resp
         .headers()
         .get(header::CONTENT_TYPE)
@@ -501,10 +509,17 @@ async fn get_vm(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmV
     Ok(Json(app.sandbox(&id).await?.into()))
 }
 
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Deleted {
+    vm_id: Uuid,
+    deleted: bool,
+}
+
 async fn delete_vm(
     State(app): AppState,
     Path(id): Path<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Deleted>, ApiError> {
     let s = app.sandbox(&id).await?;
     let vm = s.id;
     if s.state == VmState::Starting {
@@ -532,5 +547,8 @@ async fn delete_vm(
     }
     app.db(move |r| r.delete_sandbox(vm)).await?;
     tracing::info!(vm = %vm, "deleted");
-    Ok(Json(serde_json::json!({ "vmId": vm, "deleted": true })))
+    Ok(Json(Deleted {
+        vm_id: vm,
+        deleted: true,
+    }))
 }
