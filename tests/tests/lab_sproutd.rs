@@ -31,6 +31,18 @@ echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; ech
 echo "binary: $(api POST $x '{"command":"printf","argv":["\\377"]}')"
 echo "timeout: $(api POST $x '{"command":"sleep","argv":["60"],"timeoutMs":1000}')"
 echo "list: $(api GET '/v1/runtime/vms?metadata.test=lab')"
+# A second sandbox, on the busybox image, whose worker is killed: its next
+# exec finds the worker gone and marks it failed; the first one is untouched.
+out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
+  { echo "schedule 2 failed: $out2"; cat /tmp/sd.log; exit 13; }
+echo "second: $out2"
+id2=$(echo "$out2" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+pid2=$(echo "$out2" | sed -n 's/.*"workerPid":\([0-9]*\).*/\1/p')
+kill -9 "$pid2"
+sleep 1
+echo "dead-exec: $(api POST /v1/runtime/vms/$id2/exec '{"command":"true"}')"
+echo "dead: $(api GET /v1/runtime/vms/$id2)"
+echo "delete2: $(api DELETE /v1/runtime/vms/$id2)"
 # kill -9 of sproutd: the next one re-adopts the sandbox, which still runs.
 kill -9 $daemon; wait $daemon 2>/dev/null
 start_daemon
@@ -86,6 +98,22 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     let list = json(&out, "list:");
     assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{o}");
     assert_eq!(list["vms"][0]["vmId"], id, "{o}");
+
+    let second = json(&out, "second:");
+    assert_eq!(second["image"], "test", "{o}");
+    assert_eq!(second["state"], "running", "{o}");
+    assert_eq!(
+        json(&out, "dead-exec:")["error"]["code"],
+        "agent_unavailable",
+        "{o}"
+    );
+    let dead = json(&out, "dead:");
+    assert_eq!(dead["state"], "failed", "{o}");
+    assert!(
+        dead["failureReason"].as_str().unwrap().contains("gone"),
+        "{o}"
+    );
+    assert_eq!(json(&out, "delete2:")["deleted"], true, "{o}");
 
     let adopted = json(&out, "adopted:");
     assert_eq!(adopted["state"], "running", "{o}");

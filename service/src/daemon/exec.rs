@@ -11,11 +11,13 @@ use base64::Engine as _;
 use guest_agent::client::ClientError;
 use guest_agent::protocol::{ErrorCode as AgentCode, Exec};
 use serde::{Deserialize, Serialize};
+use sprout_worker::protocol::WorkerState;
 
 use super::error::{chain, ApiError, Code};
 use super::images::TEST_GUEST_IMAGE;
-use super::registry::State as VmState;
+use super::registry::{Sandbox, State as VmState};
 use super::routes::{check_env, ApiJson};
+use super::supervisor::describe;
 use super::App;
 
 /// Most bytes of each output stream a buffered exec returns.
@@ -157,10 +159,10 @@ pub async fn exec(
         ..Exec::default()
     };
     tracing::info!(vm = %s.id, command = %x.command, "exec");
-    let out = agent
-        .exec_output(x, stdin, MAX_OUTPUT)
-        .await
-        .map_err(|e| agent_error(s.id, &e))?;
+    let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
+        Ok(out) => out,
+        Err(e) => return Err(failure(&app, &s, &e).await),
+    };
     let (stdout, stdout_base64) = text(out.stdout);
     let (stderr, stderr_base64) = text(out.stderr);
     let e = out.exit;
@@ -176,6 +178,50 @@ pub async fn exec(
         stdout_truncated: e.stdout_truncated,
         stderr_truncated: e.stderr_truncated,
     }))
+}
+
+/// The answer to a failed exec. When the agent could not be reached, the
+/// sandbox's worker is asked whether it still holds a live VM: if not (a
+/// killed worker, a guest that ended), the sandbox becomes `failed` with
+/// the reason.
+async fn failure(app: &Arc<App>, s: &Sandbox, e: &ClientError) -> ApiError {
+    let err = agent_error(s.id, e);
+    let Some(sock) = s
+        .worker_socket
+        .clone()
+        .filter(|_| err.code == Code::AgentUnavailable)
+    else {
+        return err;
+    };
+    let pid = s.pid;
+    let why = tokio::task::spawn_blocking(move || match describe(&sock) {
+        Err(e) => Some(format!("The sandbox's worker is gone ({e})")),
+        Ok(d) if pid.is_some_and(|p| p != d.pid) => Some(format!(
+            "Another process (pid {}) answers on the worker's socket",
+            d.pid
+        )),
+        Ok(d) => match d.state {
+            WorkerState::Running | WorkerState::Paused | WorkerState::Created => None,
+            other => Some(format!("The sandbox's VM ended ({other})")),
+        },
+    })
+    .await
+    .ok()
+    .flatten();
+    let Some(why) = why else { return err };
+    let (id, reason) = (s.id, why.clone());
+    tracing::warn!(vm = %id, "marked failed: {why}");
+    super::lock(&app.agents).remove(&id);
+    if let Err(e) = app
+        .db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))
+        .await
+    {
+        return e;
+    }
+    ApiError::new(
+        Code::AgentUnavailable,
+        format!("Sandbox {id} has failed: {why}"),
+    )
 }
 
 fn agent_error(id: uuid::Uuid, e: &ClientError) -> ApiError {
