@@ -573,3 +573,70 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     let err = String::from_utf8_lossy(&second.stderr);
     assert!(err.contains("Another sproutd"), "{err}");
 }
+
+#[tokio::test]
+async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let r = post(
+        &c,
+        &d,
+        "/v1/runtime/schedule",
+        json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let id = r.json::<Value>().await.unwrap()["vmId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for _ in 0..3 {
+        let r = c
+            .get(d.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    c.get(d.url("/no/such/route")).send().await.unwrap();
+    let r = c.get(d.url("/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    let text = r.text().await.unwrap();
+    for line in [
+        "sproutd_sandboxes{state=\"running\"} 1",
+        "sproutd_sandboxes{state=\"failed\"} 0",
+        "sproutd_create_seconds_count 1",
+        "sproutd_exec_seconds_count 0",
+        "sproutd_http_requests_total{route=\"/v1/runtime/schedule\",method=\"POST\",status=\"201\"} 1",
+        // By route template: one series for every id.
+        "sproutd_http_requests_total{route=\"/v1/runtime/vms/{id}\",method=\"GET\",status=\"200\"} 3",
+        "sproutd_http_requests_total{route=\"unmatched\",method=\"GET\",status=\"404\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+    assert!(!text.contains(&id), "no series per sandbox id");
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = c
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "sproutd_sandboxes{state=\"running\"} 0"),
+        "{text}"
+    );
+}

@@ -159,10 +159,12 @@ pub async fn exec(
         ..Exec::default()
     };
     tracing::info!(vm = %s.id, command = %x.command, "exec");
+    let t = std::time::Instant::now();
     let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
         Ok(out) => out,
         Err(e) => return Err(failure(&app, &s, &e).await),
     };
+    app.metrics.exec.observe(t.elapsed());
     let (stdout, stdout_base64) = text(out.stdout);
     let (stderr, stderr_base64) = text(out.stderr);
     let e = out.exit;

@@ -12,6 +12,7 @@ pub mod api_client;
 mod error;
 mod exec;
 mod images;
+mod metrics;
 pub mod registry;
 mod routes;
 mod supervisor;
@@ -84,6 +85,7 @@ pub struct App {
     /// Workers this process started (reaped on delete); adopted ones are
     /// not our children.
     children: Mutex<HashMap<Uuid, sprout_worker::WorkerProcess>>,
+    metrics: metrics::Metrics,
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -240,6 +242,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         data_dir: data_dir.clone(),
         agents: Mutex::new(HashMap::new()),
         children: Mutex::new(HashMap::new()),
+        metrics: metrics::Metrics::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -95,6 +95,17 @@ pub enum State {
 }
 
 impl State {
+    pub const ALL: [State; 8] = [
+        Self::Starting,
+        Self::Running,
+        Self::Paused,
+        Self::Sleeping,
+        Self::Archived,
+        Self::Hibernated,
+        Self::Stopping,
+        Self::Failed,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Starting => "starting",
@@ -513,6 +524,15 @@ mod tests {
             [s.id.to_string()],
         );
         assert!(bad.is_err());
+    }
+
+    #[test]
+    fn every_state_has_a_name_it_parses_back_from() {
+        for st in State::ALL {
+            assert_eq!(st.as_str().parse::<State>().unwrap(), st);
+            assert_eq!(serde_json::to_value(st).unwrap(), st.as_str());
+        }
+        assert!("exploded".parse::<State>().is_err());
     }
 
     #[test]

@@ -34,8 +34,10 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/health", get(health))
         .route("/v1/info", get(info))
+        .route("/metrics", get(metrics))
         .nest("/v1/runtime", runtime)
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
@@ -51,6 +53,41 @@ pub fn router(app: Arc<App>) -> Router {
             tracing::info_span!("request", id, method = %req.method(), uri = %req.uri())
         }))
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// Counts each answer by its route template (never the raw path: ids would
+/// make a series each).
+async fn count(State(app): AppState, req: Request, next: axum::middleware::Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let method = req.method().to_string();
+    let resp = next.run(req).await;
+    app.metrics.request(&route, &method, resp.status().as_u16());
+    resp
+}
+
+async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
+    let all = app.db(|r| r.list_sandboxes()).await?;
+    let by_state: Vec<(&str, u64)> = VmState::ALL
+        .iter()
+        .map(|st| {
+            (
+                st.as_str(),
+                all.iter().filter(|s| s.state == *st).count() as u64,
+            )
+        })
+        .collect();
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(&by_state),
+    )
+        .into_response())
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -366,6 +403,7 @@ async fn schedule(
             ),
         ));
     }
+    let t = std::time::Instant::now();
     let s = Sandbox {
         id: Uuid::new_v4(),
         state: VmState::Starting,
@@ -392,6 +430,7 @@ async fn schedule(
     let started = task
         .await
         .map_err(|e| ApiError::internal(format!("the boot task failed: {e}")))?;
+    app.metrics.create.observe(t.elapsed());
     let id = s.id;
     if let Err(e) = started {
         let (code, why) = match &e {
