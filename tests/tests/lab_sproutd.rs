@@ -31,6 +31,19 @@ echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; ech
 echo "binary: $(api POST $x '{"command":"printf","argv":["\\377"]}')"
 echo "timeout: $(api POST $x '{"command":"sleep","argv":["60"],"timeoutMs":1000}')"
 echo "list: $(api GET '/v1/runtime/vms?metadata.test=lab')"
+# Streamed: the first stdout event arrives while the process still runs. It
+# waits for /tmp/go, which another exec makes only once "first" was seen.
+sprout api --accept text/event-stream POST $x \
+  '{"command":"/bin/sh","argv":["-c","echo first; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo second; exit 7"]}' \
+  >/tmp/sse.txt 2>/dev/null &
+sse=$!
+i=0
+while ! grep -q first /tmp/sse.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+echo "stream-seen: first=$(grep -c first /tmp/sse.txt) second=$(grep -c second /tmp/sse.txt)"
+api POST $x '{"command":"touch","argv":["/tmp/go"]}' >/dev/null
+wait $sse
+echo "stream-status: $?"
+sed 's/^/sse: /' /tmp/sse.txt
 # A second sandbox, on the busybox image, whose worker is killed: its next
 # exec finds the worker gone and marks it failed; the first one is untouched.
 out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
@@ -62,6 +75,30 @@ fn json(out: &lab::LabOutput, prefix: &str) -> Value {
         .first()
         .unwrap_or_else(|| panic!("no {prefix} line\n{}", out.stdout));
     serde_json::from_str(line).unwrap_or_else(|e| panic!("{prefix} {line:?}: {e}\n{}", out.stdout))
+}
+
+/// SSE events (name, data, id) from the stream's lines, in order.
+fn sse_events(lines: &[&str]) -> Vec<(String, String, String)> {
+    let mut events = Vec::new();
+    let (mut name, mut data, mut id) = (String::new(), String::new(), String::new());
+    for l in lines.iter().chain([&""]) {
+        if l.is_empty() {
+            if !name.is_empty() || !data.is_empty() {
+                events.push((
+                    std::mem::take(&mut name),
+                    std::mem::take(&mut data),
+                    std::mem::take(&mut id),
+                ));
+            }
+        } else if let Some(v) = l.strip_prefix("event:") {
+            name = v.trim().to_owned();
+        } else if let Some(v) = l.strip_prefix("data:") {
+            data.push_str(v.trim());
+        } else if let Some(v) = l.strip_prefix("id:") {
+            id = v.trim().to_owned();
+        }
+    }
+    events
 }
 
 #[test]
@@ -98,6 +135,27 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     let list = json(&out, "list:");
     assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{o}");
     assert_eq!(list["vms"][0]["vmId"], id, "{o}");
+
+    // The streamed exec: "first" was there before "second" existed.
+    assert_eq!(out.values("stream-seen:"), ["first=1 second=0"], "{o}");
+    assert_eq!(out.values("stream-status:"), ["0"], "{o}");
+    let events = sse_events(&out.values("sse:"));
+    let ids: Vec<u64> = events.iter().map(|e| e.2.parse().unwrap()).collect();
+    assert_eq!(ids, (1..=ids.len() as u64).collect::<Vec<_>>(), "{o}");
+    let stdout: String = events
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            let d: Value = serde_json::from_str(&e.1).unwrap();
+            assert_eq!(d["base64"], false, "{o}");
+            d["data"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(stdout, "first\nsecond\n", "{o}");
+    let last = events.last().unwrap();
+    assert_eq!(last.0, "exit", "{o}");
+    let exit: Value = serde_json::from_str(&last.1).unwrap();
+    assert_eq!(exit["exitCode"], 7, "{o}");
 
     let second = json(&out, "second:");
     assert_eq!(second["image"], "test", "{o}");

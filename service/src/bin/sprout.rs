@@ -54,6 +54,10 @@ struct ApiArgs {
     /// Seconds to wait for each read or write (a schedule waits for a boot).
     #[arg(long, default_value_t = 900)]
     timeout: u64,
+    /// The Accept header (text/event-stream: a streamed exec, printed as
+    /// its events arrive).
+    #[arg(long)]
+    accept: Option<String>,
     /// GET, POST, DELETE...
     method: String,
     /// The path, e.g. /v1/runtime/vms.
@@ -365,14 +369,16 @@ fn api(a: ApiArgs) -> ExitCode {
     let method = a.method.to_ascii_uppercase();
     let body = a.body.as_deref().map(str::as_bytes);
     let timeout = std::time::Duration::from_secs(a.timeout.max(1));
-    match service::daemon::api_client::request(&a.addr, &method, &a.path, body, timeout) {
-        Ok(ans) => {
+    let mut out = std::io::stdout();
+    let accept = a.accept.as_deref();
+    match service::daemon::api_client::request(
+        &a.addr, &method, &a.path, body, accept, timeout, &mut out,
+    ) {
+        Ok(status) => {
             use std::io::Write as _;
-            let mut out = std::io::stdout();
-            let _ = out.write_all(&ans.body);
             let _ = out.write_all(b"\n");
-            eprintln!("sprout: HTTP {}", ans.status);
-            if (200..300).contains(&ans.status) {
+            eprintln!("sprout: HTTP {status}");
+            if (200..300).contains(&status) {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE

@@ -6,6 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
 use guest_agent::client::ClientError;
@@ -117,8 +120,9 @@ fn check(req: &ExecReq) -> Result<Option<Vec<u8>>, ApiError> {
 pub async fn exec(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
+    headers: HeaderMap,
     ApiJson(req): ApiJson<ExecReq>,
-) -> Result<Json<ExecResp>, ApiError> {
+) -> Result<Response, ApiError> {
     let stdin = check(&req)?;
     let s = app.sandbox(&id).await?;
     if s.image == TEST_GUEST_IMAGE {
@@ -158,8 +162,16 @@ pub async fn exec(
         output_limit: Some(MAX_OUTPUT as u64),
         ..Exec::default()
     };
-    tracing::info!(vm = %s.id, command = %x.command, "exec");
+    let streamed = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    tracing::info!(vm = %s.id, command = %x.command, streamed, "exec");
     let t = std::time::Instant::now();
+    if streamed {
+        return stream(app, s, agent, x, stdin).await;
+    }
     let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
         Ok(out) => out,
         Err(e) => return Err(failure(&app, &s, &e).await),
@@ -179,7 +191,173 @@ pub async fn exec(
         timed_out: e.timed_out,
         stdout_truncated: e.stdout_truncated,
         stderr_truncated: e.stderr_truncated,
-    }))
+    })
+    .into_response())
+}
+
+/// What the `exit` event of a streamed exec carries.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ExitEvent {
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    duration_ms: u64,
+    timed_out: bool,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
+/// A `stdout` or `stderr` event's data.
+#[derive(Debug, Serialize)]
+struct Chunk {
+    data: String,
+    base64: bool,
+}
+
+/// Splits a stream's bytes into chunks to send: the valid UTF-8 as text,
+/// keeping an incomplete character at the end for the next read; bytes that
+/// are not UTF-8 as base64.
+#[derive(Default)]
+struct Utf8Chunks {
+    carry: Vec<u8>,
+}
+
+impl Utf8Chunks {
+    fn push(&mut self, data: &[u8]) -> Option<Chunk> {
+        self.carry.extend_from_slice(data);
+        let (text_len, keep) = match std::str::from_utf8(&self.carry) {
+            Ok(_) => (self.carry.len(), 0),
+            // A character cut at the end: keep its start (at most 3 bytes).
+            Err(e) if e.error_len().is_none() => {
+                (e.valid_up_to(), self.carry.len() - e.valid_up_to())
+            }
+            Err(_) => {
+                let all = std::mem::take(&mut self.carry);
+                return Some(Chunk {
+                    data: base64::engine::general_purpose::STANDARD.encode(all),
+                    base64: true,
+                });
+            }
+        };
+        if text_len == 0 {
+            return None;
+        }
+        let rest = self.carry.split_off(text_len);
+        let text = std::mem::replace(&mut self.carry, rest);
+        debug_assert!(self.carry.len() == keep);
+        Some(Chunk {
+            data: String::from_utf8(text).unwrap_or_default(),
+            base64: false,
+        })
+    }
+
+    /// What is left at the exit (a cut character): base64.
+    fn finish(&mut self) -> Option<Chunk> {
+        (!self.carry.is_empty()).then(|| Chunk {
+            data: base64::engine::general_purpose::STANDARD.encode(std::mem::take(&mut self.carry)),
+            base64: true,
+        })
+    }
+}
+
+/// Most events a streamed exec buffers for a slow client before the
+/// process waits (the agent connection is the backpressure beyond it).
+const STREAM_BUFFER: usize = 64;
+
+/// A streamed exec: SSE `stdout` and `stderr` events as output arrives,
+/// then one `exit` (or `error`) event; ids count from 1. A client that goes
+/// away ends the exec (its process group is killed).
+async fn stream(
+    app: Arc<App>,
+    s: Sandbox,
+    agent: Arc<guest_agent::client::Client>,
+    mut x: Exec,
+    stdin: Option<Vec<u8>>,
+) -> Result<Response, ApiError> {
+    if stdin.is_some() {
+        x.stdin = guest_agent::protocol::StdinMode::Stream;
+    }
+    let mut session = match agent.exec(x).await {
+        Ok(session) => session,
+        Err(e) => return Err(failure(&app, &s, &e).await),
+    };
+    if let (Some(data), Some(mut w)) = (stdin, session.take_stdin()) {
+        tokio::spawn(async move {
+            // The process may stop reading early: its exit tells, not this.
+            if w.write(&data).await.is_ok() {
+                let _ = w.close().await;
+            }
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(STREAM_BUFFER);
+    let t = std::time::Instant::now();
+    tokio::spawn(async move {
+        let mut n = 0u64;
+        let mut next_id = || {
+            n += 1;
+            n.to_string()
+        };
+        let (mut out, mut err) = (Utf8Chunks::default(), Utf8Chunks::default());
+        let chunk_event = |name: &'static str, c: Chunk, id: String| {
+            Event::default()
+                .event(name)
+                .id(id)
+                .json_data(c)
+                .unwrap_or_else(|_| Event::default().event(name))
+        };
+        loop {
+            let ev = match session.next_event().await {
+                Ok(Some(guest_agent::client::ExecEvent::Stdout(d))) => {
+                    out.push(&d).map(|c| chunk_event("stdout", c, next_id()))
+                }
+                Ok(Some(guest_agent::client::ExecEvent::Stderr(d))) => {
+                    err.push(&d).map(|c| chunk_event("stderr", c, next_id()))
+                }
+                Ok(Some(guest_agent::client::ExecEvent::Exit(e))) => {
+                    for (name, c) in [("stdout", out.finish()), ("stderr", err.finish())] {
+                        if let Some(c) = c {
+                            let _ = tx.send(chunk_event(name, c, next_id())).await;
+                        }
+                    }
+                    app.metrics.exec.observe(t.elapsed());
+                    let exit = ExitEvent {
+                        exit_code: e.code,
+                        signal: e.signal,
+                        duration_ms: e.duration_us / 1000,
+                        timed_out: e.timed_out,
+                        stdout_truncated: e.stdout_truncated,
+                        stderr_truncated: e.stderr_truncated,
+                    };
+                    let ev = Event::default().event("exit").id(next_id());
+                    let _ = tx.send(ev.json_data(exit).unwrap_or_default()).await;
+                    return;
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let e = failure(&app, &s, &e).await;
+                    let body = serde_json::json!({"error": {"code": e.code, "message": e.message}});
+                    let ev = Event::default().event("error").id(next_id());
+                    let _ = tx.send(ev.json_data(body).unwrap_or_default()).await;
+                    return;
+                }
+            };
+            // A send fails once the client has gone: dropping the session
+            // then ends the exec.
+            if let Some(ev) = ev {
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let events = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|ev| (Ok::<_, std::convert::Infallible>(ev), rx))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 /// The answer to a failed exec. When the agent could not be reached, the
@@ -255,6 +433,29 @@ mod tests {
     fn output_that_is_not_utf8_is_base64() {
         assert_eq!(text(b"hi\n".to_vec()), ("hi\n".into(), false));
         assert_eq!(text(vec![0xff, 0x00]), ("/wA=".into(), true));
+    }
+
+    #[test]
+    fn streamed_output_keeps_characters_whole_and_sends_the_rest_as_base64() {
+        let mut c = Utf8Chunks::default();
+        let euro = "€".as_bytes(); // 3 bytes
+        let a = c.push(&[b'a', euro[0]]).unwrap();
+        assert_eq!((a.data.as_str(), a.base64), ("a", false));
+        assert!(c.push(&euro[1..2]).is_none(), "still cut");
+        let b = c.push(&[euro[2], b'b']).unwrap();
+        assert_eq!((b.data.as_str(), b.base64), ("€b", false));
+        let bad = c.push(&[0xff, b'x']).unwrap();
+        assert_eq!((bad.data.as_str(), bad.base64), ("/3g=", true));
+        assert!(c.finish().is_none());
+        assert!(c.push(&euro[..2]).is_none());
+        let end = c.finish().unwrap();
+        assert!(end.base64);
+        assert_eq!(
+            base64::engine::general_purpose::STANDARD
+                .decode(end.data)
+                .unwrap(),
+            &euro[..2]
+        );
     }
 
     #[test]
