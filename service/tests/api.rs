@@ -231,7 +231,7 @@ async fn bad_bodies_get_the_envelope_with_a_4xx_never_a_500() {
             r#"{"cpu":2}"#,
             r#"{"command":"ls","argv":"-l"}"#,
             r#"{"command":"ls","timeoutMs":"soon"}"#,
-            r#"{"command":"ls","background":true}"#,
+            r#"{"command":"ls","shell":true}"#,
         ] {
             let r = raw_post(&c, &d, path, body).await;
             let m = assert_error(r, StatusCode::BAD_REQUEST, "invalid_body").await;
@@ -417,6 +417,25 @@ async fn unknown_ids_are_404_and_bad_queries_400() {
             .await
             .unwrap();
         assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        for r in [
+            c.get(format!("{url}/processes")).send().await.unwrap(),
+            c.get(format!("{url}/processes/1/events"))
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/processes/1/stdin"))
+                .json(&json!({"data": "x"}))
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/processes/1/signal"))
+                .json(&json!({"signal": "TERM"}))
+                .send()
+                .await
+                .unwrap(),
+        ] {
+            assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        }
     }
     for q in ["?foo=bar", "?metadata.=x", "?metadata"] {
         let r = c
@@ -496,6 +515,36 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     )
     .await;
     assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let procs = d.url(&format!("/v1/runtime/vms/{}/processes", ids[0]));
+    let r = c.get(&procs).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    // Bad process requests are refused before any agent is asked.
+    for (path, body, code) in [
+        ("/x/signal", json!({"signal": "TERM"}), "process_not_found"),
+        ("/1/signal", json!({"signal": "SIGFOO"}), "invalid_value"),
+        ("/1/signal", json!({"signal": 99}), "invalid_value"),
+        ("/1/signal", json!({"sig": 9}), "invalid_body"),
+        (
+            "/1/stdin",
+            json!({"data": "%%", "base64": true}),
+            "invalid_value",
+        ),
+        ("/1/stdin", json!({"data": 1}), "invalid_body"),
+    ] {
+        let r = post(
+            &c,
+            &d,
+            &format!("/v1/runtime/vms/{}/processes{path}", ids[0]),
+            body,
+        )
+        .await;
+        let st = if code == "process_not_found" {
+            StatusCode::NOT_FOUND
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        assert_error(r, st, code).await;
+    }
     // Filters.
     let red = vms(&c, &d, "?metadata.team=red").await;
     assert_eq!(red.len(), 1);

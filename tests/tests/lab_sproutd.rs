@@ -44,6 +44,36 @@ api POST $x '{"command":"touch","argv":["/tmp/go"]}' >/dev/null
 wait $sse
 echo "stream-status: $?"
 sed 's/^/sse: /' /tmp/sse.txt
+# Background: a process that outlives the stream it was watched on, replays
+# from Last-Event-ID, takes stdin, and is signalled (its whole group).
+bg=$(api POST $x '{"command":"/bin/sh","argv":["-c","for i in 1 2 3; do echo line$i; done; read l; echo got:$l; sleep 1000 & wait"],"background":true,"stdinOpen":true}')
+echo "bg: $bg"
+eid=$(echo "$bg" | sed -n 's/.*"execId":\([0-9]*\).*/\1/p')
+p="/v1/runtime/vms/$id/processes/$eid"
+sprout api --accept text/event-stream GET $p/events >/tmp/a1.txt 2>/dev/null &
+a1=$!
+i=0
+while ! grep -q line3 /tmp/a1.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+kill $a1; wait $a1 2>/dev/null
+sed 's/^/a1: /' /tmp/a1.txt
+echo "procs: $(api GET /v1/runtime/vms/$id/processes)"
+echo "stdin: $(api POST $p/stdin '{"data":"hello\n"}')"
+# Resume after the next-to-last event the first stream saw: the replay
+# starts with the last one (the agent may have put several lines in one).
+last=$(sed -n 's/^id: //p' /tmp/a1.txt | tail -1)
+resume=$((last - 1))
+echo "resume-after: $resume"
+sprout api --accept text/event-stream --header "Last-Event-ID: $resume" GET $p/events >/tmp/a2.txt 2>/dev/null &
+a2=$!
+i=0
+while ! grep -q got:hello /tmp/a2.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+count_sleepers='{"command":"/bin/sh","argv":["-c","for p in /proc/[0-9]*; do read -r c < $p/comm 2>/dev/null && [ $c = sleep ] && echo $p; done | wc -l"]}'
+echo "sleepers-before: $(api POST $x "$count_sleepers")"
+echo "signal: $(api POST $p/signal '{"signal":"TERM"}')"
+wait $a2
+sed 's/^/a2: /' /tmp/a2.txt
+echo "procs-after: $(api GET /v1/runtime/vms/$id/processes)"
+echo "sleepers: $(api POST $x "$count_sleepers")"
 # A second sandbox, on the busybox image, whose worker is killed: its next
 # exec finds the worker gone and marks it failed; the first one is untouched.
 out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
@@ -156,6 +186,82 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(last.0, "exit", "{o}");
     let exit: Value = serde_json::from_str(&last.1).unwrap();
     assert_eq!(exit["exitCode"], 7, "{o}");
+
+    // Background process.
+    let bg = json(&out, "bg:");
+    let eid = bg["execId"].as_u64().unwrap();
+    assert!(bg["pid"].as_u64().unwrap() > 1, "{o}");
+    let a1 = sse_events(&out.values("a1:"));
+    let a1_out: String = a1
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.1).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(a1_out, "line1\nline2\nline3\n", "{o}");
+    let procs = json(&out, "procs:");
+    let p = procs["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["execId"] == eid)
+        .unwrap_or_else(|| panic!("{eid} not listed\n{o}"));
+    assert_eq!(
+        p["running"], true,
+        "dropping its stream left it running\n{o}"
+    );
+    assert_eq!(p["stdinOpen"], true, "{o}");
+    assert_eq!(json(&out, "stdin:")["bytes"], 6, "{o}");
+    let a2 = sse_events(&out.values("a2:"));
+    // The replay after event `resume` is what the first stream saw after it
+    // (at least its last event), then the live events.
+    let resume: u64 = out.values("resume-after:")[0].parse().unwrap();
+    let replayed: Vec<_> = a1
+        .iter()
+        .filter(|e| e.2.parse::<u64>().unwrap() > resume)
+        .collect();
+    assert!(!replayed.is_empty(), "{o}");
+    assert!(a2.len() > replayed.len(), "{o}");
+    for (x, y) in replayed.iter().zip(&a2) {
+        assert_eq!(*x, y, "{o}");
+    }
+    assert!(
+        a2.iter().all(|e| e.2.parse::<u64>().unwrap() > resume),
+        "{o}"
+    );
+    let a2_out: String = a2
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.1).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert!(a2_out.ends_with("got:hello\n"), "{o}");
+    let last = a2.last().unwrap();
+    assert_eq!(last.0, "exit", "{o}");
+    let exit: Value = serde_json::from_str(&last.1).unwrap();
+    assert_eq!(exit["signal"], 15, "{o}");
+    assert_eq!(json(&out, "signal:")["signal"], 15, "{o}");
+    let after = json(&out, "procs-after:");
+    let p = after["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["execId"] == eid)
+        .unwrap();
+    assert_eq!(p["running"], false, "{o}");
+    assert_eq!(p["exit"]["signal"], 15, "{o}");
+    // The signal reached the process group: its sleep child, there before
+    // it, is gone too.
+    assert_eq!(json(&out, "sleepers-before:")["stdout"], "1\n", "{o}");
+    assert_eq!(json(&out, "sleepers:")["stdout"], "0\n", "{o}");
 
     let second = json(&out, "second:");
     assert_eq!(second["image"], "test", "{o}");

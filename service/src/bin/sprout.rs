@@ -58,6 +58,9 @@ struct ApiArgs {
     /// its events arrive).
     #[arg(long)]
     accept: Option<String>,
+    /// Another request header, `NAME: VALUE` (repeatable).
+    #[arg(long)]
+    header: Vec<String>,
     /// GET, POST, DELETE...
     method: String,
     /// The path, e.g. /v1/runtime/vms.
@@ -370,9 +373,12 @@ fn api(a: ApiArgs) -> ExitCode {
     let body = a.body.as_deref().map(str::as_bytes);
     let timeout = std::time::Duration::from_secs(a.timeout.max(1));
     let mut out = std::io::stdout();
-    let accept = a.accept.as_deref();
+    let mut headers = a.header.clone();
+    if let Some(acc) = &a.accept {
+        headers.push(format!("Accept: {acc}"));
+    }
     match service::daemon::api_client::request(
-        &a.addr, &method, &a.path, body, accept, timeout, &mut out,
+        &a.addr, &method, &a.path, body, &headers, timeout, &mut out,
     ) {
         Ok(status) => {
             use std::io::Write as _;

@@ -16,29 +16,37 @@ pub enum ApiClientError {
     Io(#[from] std::io::Error),
     #[error("sproutd's answer is not HTTP: {0}")]
     BadAnswer(String),
+    #[error("{0:?} is not a header (NAME: VALUE on one line)")]
+    BadHeader(String),
 }
 
 /// Longest header line accepted.
 const MAX_LINE: usize = 16 * 1024;
 
 /// Sends `method path` to `addr` (`HOST:PORT`) with an optional JSON `body`
-/// and `Accept` header, copies the answer's body to `out` as it arrives and
+/// and more `headers` (`NAME: VALUE`), copies the answer's body to `out` as it arrives and
 /// returns the answer's status; `timeout` bounds each read and write.
 pub fn request(
     addr: &str,
     method: &str,
     path: &str,
     body: Option<&[u8]>,
-    accept: Option<&str>,
+    headers: &[String],
     timeout: Duration,
     out: &mut dyn Write,
 ) -> Result<u16, ApiClientError> {
+    for h in headers {
+        if !h.contains(':') || h.contains('\r') || h.contains('\n') {
+            return Err(ApiClientError::BadHeader(h.clone()));
+        }
+    }
     let mut s = TcpStream::connect(addr).map_err(|e| ApiClientError::Connect(addr.into(), e))?;
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if let Some(a) = accept {
-        head.push_str(&format!("Accept: {a}\r\n"));
+    for h in headers {
+        head.push_str(h);
+        head.push_str("\r\n");
     }
     if let Some(b) = body {
         head.push_str(&format!(

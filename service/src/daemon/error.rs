@@ -49,6 +49,10 @@ pub enum Code {
     NotSupported,
     /// Too many execs at once in one sandbox: retry later.
     Busy,
+    /// No background process of the sandbox has this id.
+    ProcessNotFound,
+    /// The background process's stdin is closed (or was never open).
+    StdinClosed,
     Internal,
 }
 
@@ -65,9 +69,9 @@ impl Code {
             Self::Busy => StatusCode::TOO_MANY_REQUESTS,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::NotFound | Self::VmNotFound => StatusCode::NOT_FOUND,
+            Self::NotFound | Self::VmNotFound | Self::ProcessNotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::InvalidState => StatusCode::CONFLICT,
+            Self::InvalidState | Self::StdinClosed => StatusCode::CONFLICT,
             Self::HostUnsupported => StatusCode::SERVICE_UNAVAILABLE,
             Self::BootFailed | Self::AgentUnavailable | Self::WorkerFailed => {
                 StatusCode::BAD_GATEWAY
@@ -201,6 +205,8 @@ mod tests {
             Code::WorkerFailed,
             Code::NotSupported,
             Code::Busy,
+            Code::ProcessNotFound,
+            Code::StdinClosed,
             Code::Internal,
         ];
         for c in codes {

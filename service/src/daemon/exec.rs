@@ -50,6 +50,13 @@ pub struct ExecReq {
     stdin_base64: bool,
     /// Kill the process group after this long (`timedOut` says so).
     timeout_ms: Option<i64>,
+    /// Start it as a background process: the answer is `{execId, pid}` at
+    /// once (see [`super::procs`]).
+    #[serde(default)]
+    background: bool,
+    /// Background processes: keep stdin open for `POST .../stdin`.
+    #[serde(default)]
+    stdin_open: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -107,6 +114,12 @@ fn check(req: &ExecReq) -> Result<Option<Vec<u8>>, ApiError> {
             ));
         }
     }
+    if req.stdin_open && !req.background {
+        return Err(ApiError::field(
+            "stdinOpen",
+            "stdinOpen is for background processes",
+        ));
+    }
     match (&req.stdin, req.stdin_base64) {
         (None, _) => Ok(None),
         (Some(s), false) => Ok(Some(s.clone().into_bytes())),
@@ -124,32 +137,7 @@ pub async fn exec(
     ApiJson(req): ApiJson<ExecReq>,
 ) -> Result<Response, ApiError> {
     let stdin = check(&req)?;
-    let s = app.sandbox(&id).await?;
-    if s.image == TEST_GUEST_IMAGE {
-        return Err(ApiError::new(
-            Code::NotSupported,
-            format!(
-                "Sandbox {} runs the test guest, which has no agent to exec in",
-                s.id
-            ),
-        ));
-    }
-    if s.state != VmState::Running {
-        return Err(ApiError::new(
-            Code::InvalidState,
-            format!(
-                "Sandbox {} is {}: exec needs it running",
-                s.id,
-                s.state.as_str()
-            ),
-        ));
-    }
-    let agent = app.agent(&s).ok_or_else(|| {
-        ApiError::new(
-            Code::AgentUnavailable,
-            format!("Sandbox {} has no vsock socket", s.id),
-        )
-    })?;
+    let (s, agent) = agent_for(&app, &id).await?;
     // The sandbox's env, then the request's on top.
     let mut env = s.env.clone();
     env.extend(req.env);
@@ -162,6 +150,9 @@ pub async fn exec(
         output_limit: Some(MAX_OUTPUT as u64),
         ..Exec::default()
     };
+    if req.background {
+        return super::procs::start(&app, &s, &agent, x, stdin, req.stdin_open).await;
+    }
     let streamed = headers
         .get_all(header::ACCEPT)
         .iter()
@@ -193,6 +184,40 @@ pub async fn exec(
         stderr_truncated: e.stderr_truncated,
     })
     .into_response())
+}
+
+/// The sandbox `id` names and its agent, if it can run commands now.
+pub async fn agent_for(
+    app: &Arc<App>,
+    id: &str,
+) -> Result<(Sandbox, Arc<guest_agent::client::Client>), ApiError> {
+    let s = app.sandbox(id).await?;
+    if s.image == TEST_GUEST_IMAGE {
+        return Err(ApiError::new(
+            Code::NotSupported,
+            format!(
+                "Sandbox {} runs the test guest, which has no agent to exec in",
+                s.id
+            ),
+        ));
+    }
+    if s.state != VmState::Running {
+        return Err(ApiError::new(
+            Code::InvalidState,
+            format!(
+                "Sandbox {} is {}: this needs it running",
+                s.id,
+                s.state.as_str()
+            ),
+        ));
+    }
+    let agent = app.agent(&s).ok_or_else(|| {
+        ApiError::new(
+            Code::AgentUnavailable,
+            format!("Sandbox {} has no vsock socket", s.id),
+        )
+    })?;
+    Ok((s, agent))
 }
 
 /// What the `exit` event of a streamed exec carries.
@@ -364,7 +389,7 @@ async fn stream(
 /// sandbox's worker is asked whether it still holds a live VM: if not (a
 /// killed worker, a guest that ended), the sandbox becomes `failed` with
 /// the reason.
-async fn failure(app: &Arc<App>, s: &Sandbox, e: &ClientError) -> ApiError {
+pub async fn failure(app: &Arc<App>, s: &Sandbox, e: &ClientError) -> ApiError {
     let err = agent_error(s.id, e);
     let Some(sock) = s
         .worker_socket
@@ -483,5 +508,13 @@ mod tests {
         .unwrap();
         assert_eq!(ok, Some(b"hi".to_vec()));
         assert!(serde_json::from_str::<ExecReq>(r#"{"command":"ls","shell":true}"#).is_err());
+        assert_eq!(
+            field(r#"{"command":"cat","stdinOpen":true}"#),
+            Some("stdinOpen")
+        );
+        assert!(check(&req(
+            r#"{"command":"cat","stdinOpen":true,"background":true}"#
+        ))
+        .is_ok());
     }
 }

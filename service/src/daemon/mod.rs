@@ -13,6 +13,7 @@ mod error;
 mod exec;
 mod images;
 mod metrics;
+mod procs;
 pub mod registry;
 mod routes;
 mod supervisor;

@@ -30,7 +30,20 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/schedule", post(schedule))
         .route("/vms", get(list))
         .route("/vms/{id}", get(get_vm).delete(delete_vm))
-        .route("/vms/{id}/exec", post(super::exec::exec));
+        .route("/vms/{id}/exec", post(super::exec::exec))
+        .route("/vms/{id}/processes", get(super::procs::list))
+        .route(
+            "/vms/{id}/processes/{exec_id}/events",
+            get(super::procs::events),
+        )
+        .route(
+            "/vms/{id}/processes/{exec_id}/stdin",
+            post(super::procs::stdin),
+        )
+        .route(
+            "/vms/{id}/processes/{exec_id}/signal",
+            post(super::procs::signal),
+        );
     Router::new()
         .route("/v1/health", get(health))
         .route("/v1/info", get(info))
