@@ -418,6 +418,25 @@ async fn unknown_ids_are_404_and_bad_queries_400() {
             .unwrap();
         assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
         for r in [
+            c.get(format!("{url}/files?path=x")).send().await.unwrap(),
+            c.delete(format!("{url}/files?path=x"))
+                .send()
+                .await
+                .unwrap(),
+            c.get(format!("{url}/files/content?path=x"))
+                .send()
+                .await
+                .unwrap(),
+            c.put(format!("{url}/files/content?path=x"))
+                .body("text")
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/files/mkdir"))
+                .json(&json!({"path": "d"}))
+                .send()
+                .await
+                .unwrap(),
             c.get(format!("{url}/processes")).send().await.unwrap(),
             c.get(format!("{url}/processes/1/events"))
                 .send()
@@ -518,6 +537,21 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     let procs = d.url(&format!("/v1/runtime/vms/{}/processes", ids[0]));
     let r = c.get(&procs).send().await.unwrap();
     assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let files = d.url(&format!("/v1/runtime/vms/{}/files", ids[0]));
+    let r = c.get(format!("{files}?path=.")).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    // Bad file requests are refused before any agent is asked.
+    let r = c.get(&files).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "bad_request").await;
+    let r = c.get(format!("{files}?path=")).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "invalid_path").await;
+    let r = c
+        .put(format!("{files}/content?path=a"))
+        .body(vec![0xffu8, 0xfe])
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_text").await;
     // Bad process requests are refused before any agent is asked.
     for (path, body, code) in [
         ("/x/signal", json!({"signal": "TERM"}), "process_not_found"),

@@ -74,6 +74,25 @@ wait $a2
 sed 's/^/a2: /' /tmp/a2.txt
 echo "procs-after: $(api GET /v1/runtime/vms/$id/processes)"
 echo "sleepers: $(api POST $x "$count_sleepers")"
+# Files, under /workspace.
+f="/v1/runtime/vms/$id/files"
+echo "mkdir: $(api POST $f/mkdir '{"path":"d/e","parents":true}')"
+echo "put: $(api PUT "$f/content?path=d/e/hello.txt" 'héllo wörld')"
+echo "get: $(api GET "$f/content?path=d/e/hello.txt")"
+echo "ls: $(api GET "$f?path=d/e")"
+head -c 1048576 /dev/zero | tr '\0' a > /tmp/1m
+echo "put-1m: $(api PUT "$f/content?path=one.txt" --data-file /tmp/1m)"
+echo b >> /tmp/1m
+echo "put-1m1: $(api PUT "$f/content?path=two.txt" --data-file /tmp/1m)"
+api POST $x '{"command":"/bin/sh","argv":["-c","head -c 1100000 /dev/zero | tr \"\\\\0\" b > /workspace/big.txt"]}' >/dev/null
+echo "cut-header: $(api -i GET "$f/content?path=big.txt" | head -c 400 | grep -ci '^x-truncated: true')"
+echo "cut-bytes: $(api GET "$f/content?path=big.txt" | wc -c)"
+for bad in ../x ../../etc/passwd /etc/passwd d/../../x %2e%2e/x; do
+  echo "escape: $(api GET "$f/content?path=$bad")"
+done
+echo "missing: $(api GET "$f/content?path=nope.txt")"
+echo "rm: $(api DELETE "$f?path=d&recursive=true")"
+echo "ls-after: $(api GET "$f?path=.")"
 # A second sandbox, on the busybox image, whose worker is killed: its next
 # exec finds the worker gone and marks it failed; the first one is untouched.
 out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
@@ -186,6 +205,53 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(last.0, "exit", "{o}");
     let exit: Value = serde_json::from_str(&last.1).unwrap();
     assert_eq!(exit["exitCode"], 7, "{o}");
+
+    // Files.
+    assert_eq!(json(&out, "mkdir:")["created"], true, "{o}");
+    assert_eq!(json(&out, "put:")["bytes"], "héllo wörld".len(), "{o}");
+    assert_eq!(out.values("get:"), ["héllo wörld"], "{o}");
+    let ls = json(&out, "ls:");
+    assert_eq!(ls["entries"][0]["name"], "hello.txt", "{o}");
+    assert_eq!(ls["entries"][0]["type"], "file", "{o}");
+    assert_eq!(ls["entries"][0]["size"], "héllo wörld".len(), "{o}");
+    assert_eq!(json(&out, "put-1m:")["bytes"], 1 << 20, "{o}");
+    assert_eq!(
+        json(&out, "put-1m1:")["error"]["code"],
+        "payload_too_large",
+        "{o}"
+    );
+    assert_eq!(out.values("cut-header:"), ["1"], "{o}");
+    // 1 MiB, and the newline sprout api adds.
+    assert_eq!(
+        out.values("cut-bytes:"),
+        [((1 << 20) + 1).to_string()],
+        "{o}"
+    );
+    let escapes = out.values("escape:");
+    assert_eq!(escapes.len(), 5, "{o}");
+    for e in escapes {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["error"]["code"], "path_escape", "{e}\n{o}");
+    }
+    assert_eq!(
+        json(&out, "missing:")["error"]["code"],
+        "file_not_found",
+        "{o}"
+    );
+    assert_eq!(json(&out, "rm:")["deleted"], true, "{o}");
+    let after = json(&out, "ls-after:");
+    let names: Vec<&str> = after["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(!names.contains(&"d"), "{names:?}\n{o}");
+    assert!(names.contains(&"one.txt"), "{names:?}\n{o}");
+    assert!(
+        !names.contains(&"two.txt"),
+        "a refused write wrote nothing\n{o}"
+    );
 
     // Background process.
     let bg = json(&out, "bg:");

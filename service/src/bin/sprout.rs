@@ -61,6 +61,12 @@ struct ApiArgs {
     /// Another request header, `NAME: VALUE` (repeatable).
     #[arg(long)]
     header: Vec<String>,
+    /// Print the answer's status line and headers before its body.
+    #[arg(short, long)]
+    include: bool,
+    /// Send this file's bytes as the body (instead of BODY).
+    #[arg(long, conflicts_with = "body")]
+    data_file: Option<PathBuf>,
     /// GET, POST, DELETE...
     method: String,
     /// The path, e.g. /v1/runtime/vms.
@@ -370,16 +376,35 @@ fn ctl(a: CtlArgs) -> Result<bool> {
 
 fn api(a: ApiArgs) -> ExitCode {
     let method = a.method.to_ascii_uppercase();
-    let body = a.body.as_deref().map(str::as_bytes);
+    let file_body = match &a.data_file {
+        Some(p) => match std::fs::read(p) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                eprintln!("sprout: error: cannot read {}: {e}", p.display());
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
+    let body = file_body
+        .as_deref()
+        .or_else(|| a.body.as_deref().map(str::as_bytes));
     let timeout = std::time::Duration::from_secs(a.timeout.max(1));
     let mut out = std::io::stdout();
     let mut headers = a.header.clone();
     if let Some(acc) = &a.accept {
         headers.push(format!("Accept: {acc}"));
     }
-    match service::daemon::api_client::request(
-        &a.addr, &method, &a.path, body, &headers, timeout, &mut out,
-    ) {
+    let req = service::daemon::api_client::Request {
+        addr: &a.addr,
+        method: &method,
+        path: &a.path,
+        body,
+        headers: &headers,
+        include: a.include,
+        timeout,
+    };
+    match service::daemon::api_client::request(&req, &mut out) {
         Ok(status) => {
             use std::io::Write as _;
             let _ = out.write_all(b"\n");

@@ -23,18 +23,34 @@ pub enum ApiClientError {
 /// Longest header line accepted.
 const MAX_LINE: usize = 16 * 1024;
 
-/// Sends `method path` to `addr` (`HOST:PORT`) with an optional JSON `body`
-/// and more `headers` (`NAME: VALUE`), copies the answer's body to `out` as it arrives and
-/// returns the answer's status; `timeout` bounds each read and write.
-pub fn request(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&[u8]>,
-    headers: &[String],
-    timeout: Duration,
-    out: &mut dyn Write,
-) -> Result<u16, ApiClientError> {
+/// One request of [`request`].
+pub struct Request<'a> {
+    /// `HOST:PORT`.
+    pub addr: &'a str,
+    pub method: &'a str,
+    pub path: &'a str,
+    /// A JSON body.
+    pub body: Option<&'a [u8]>,
+    /// More headers, `NAME: VALUE`.
+    pub headers: &'a [String],
+    /// Copy the answer's status line and headers to `out` before its body.
+    pub include: bool,
+    /// Bounds each read and write.
+    pub timeout: Duration,
+}
+
+/// Sends `req`, copies the answer's body (after its status line and headers
+/// if asked) to `out` as it arrives, and returns the answer's status.
+pub fn request(req: &Request<'_>, out: &mut dyn Write) -> Result<u16, ApiClientError> {
+    let Request {
+        addr,
+        method,
+        path,
+        body,
+        headers,
+        include,
+        timeout,
+    } = *req;
     for h in headers {
         if !h.contains(':') || h.contains('\r') || h.contains('\n') {
             return Err(ApiClientError::BadHeader(h.clone()));
@@ -56,10 +72,26 @@ pub fn request(
     }
     head.push_str("\r\n");
     s.write_all(head.as_bytes())?;
-    if let Some(b) = body {
-        s.write_all(b)?;
+    // The body is written beside the read: a server may answer (a 413)
+    // before it has read it all, and then close.
+    let writer = match body {
+        Some(b) => {
+            let mut w = s.try_clone()?;
+            let b = b.to_vec();
+            Some(std::thread::spawn(move || w.write_all(&b)))
+        }
+        None => None,
+    };
+    let answer = read_answer(&mut BufReader::new(s), include, out);
+    let wrote = writer.map(|h| {
+        h.join()
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::Other.into()))
+    });
+    match (answer, wrote) {
+        (Ok(status), _) => Ok(status),
+        (Err(_), Some(Err(e))) => Err(e.into()),
+        (Err(e), _) => Err(e),
     }
-    read_answer(&mut BufReader::new(s), out)
 }
 
 fn line(r: &mut impl BufRead) -> Result<String, ApiClientError> {
@@ -73,8 +105,16 @@ fn line(r: &mut impl BufRead) -> Result<String, ApiClientError> {
 
 /// Reads an answer's head, then copies its body (plain, or chunked) to
 /// `out`, flushing after each piece; the status.
-fn read_answer(r: &mut impl BufRead, out: &mut dyn Write) -> Result<u16, ApiClientError> {
-    let status = line(r)?
+fn read_answer(
+    r: &mut impl BufRead,
+    include: bool,
+    out: &mut dyn Write,
+) -> Result<u16, ApiClientError> {
+    let first = line(r)?;
+    if include {
+        writeln!(out, "{first}")?;
+    }
+    let status = first
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
@@ -82,6 +122,9 @@ fn read_answer(r: &mut impl BufRead, out: &mut dyn Write) -> Result<u16, ApiClie
     let mut chunked = false;
     loop {
         let l = line(r)?;
+        if include {
+            writeln!(out, "{l}")?;
+        }
         if l.is_empty() {
             break;
         }
@@ -130,7 +173,7 @@ mod tests {
 
     fn read(raw: &[u8]) -> Result<(u16, Vec<u8>), ApiClientError> {
         let mut out = Vec::new();
-        let status = read_answer(&mut &raw[..], &mut out)?;
+        let status = read_answer(&mut &raw[..], false, &mut out)?;
         Ok((status, out))
     }
 
@@ -147,5 +190,9 @@ mod tests {
         assert!(read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").is_err());
         assert!(read(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab").is_err());
         assert!(read(b"garbage\r\n\r\n").is_err());
+        let mut out = Vec::new();
+        let raw = b"HTTP/1.1 200 OK\r\nx-truncated: true\r\n\r\nab";
+        read_answer(&mut &raw[..], true, &mut out).unwrap();
+        assert_eq!(out, b"HTTP/1.1 200 OK\nx-truncated: true\n\nab");
     }
 }

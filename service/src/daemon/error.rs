@@ -53,6 +53,19 @@ pub enum Code {
     ProcessNotFound,
     /// The background process's stdin is closed (or was never open).
     StdinClosed,
+    /// A file path that leaves `/workspace`.
+    PathEscape,
+    /// A malformed file path (empty, NUL, the root where a child is needed).
+    InvalidPath,
+    FileNotFound,
+    /// The path exists as the wrong kind (a directory for a file...), or a
+    /// directory to remove is not empty.
+    FileConflict,
+    PermissionDenied,
+    /// A file's content is not UTF-8 text.
+    NotText,
+    /// Any other refusal of a file operation by the agent.
+    FileError,
     Internal,
 }
 
@@ -65,7 +78,14 @@ impl Code {
             | Self::InvalidValue
             | Self::UnknownImage
             | Self::ExecFailed
-            | Self::NotSupported => StatusCode::BAD_REQUEST,
+            | Self::NotSupported
+            | Self::PathEscape
+            | Self::InvalidPath
+            | Self::NotText
+            | Self::FileError => StatusCode::BAD_REQUEST,
+            Self::FileNotFound => StatusCode::NOT_FOUND,
+            Self::FileConflict => StatusCode::CONFLICT,
+            Self::PermissionDenied => StatusCode::FORBIDDEN,
             Self::Busy => StatusCode::TOO_MANY_REQUESTS,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -207,6 +227,13 @@ mod tests {
             Code::Busy,
             Code::ProcessNotFound,
             Code::StdinClosed,
+            Code::PathEscape,
+            Code::InvalidPath,
+            Code::FileNotFound,
+            Code::FileConflict,
+            Code::PermissionDenied,
+            Code::NotText,
+            Code::FileError,
             Code::Internal,
         ];
         for c in codes {

@@ -11,6 +11,7 @@
 pub mod api_client;
 mod error;
 mod exec;
+mod files;
 mod images;
 mod metrics;
 mod procs;

@@ -31,6 +31,15 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/vms", get(list))
         .route("/vms/{id}", get(get_vm).delete(delete_vm))
         .route("/vms/{id}/exec", post(super::exec::exec))
+        .route(
+            "/vms/{id}/files",
+            get(super::files::list).delete(super::files::remove),
+        )
+        .route(
+            "/vms/{id}/files/content",
+            get(super::files::get_content).put(super::files::put_content),
+        )
+        .route("/vms/{id}/files/mkdir", post(super::files::mkdir))
         .route("/vms/{id}/processes", get(super::procs::list))
         .route(
             "/vms/{id}/processes/{exec_id}/events",
