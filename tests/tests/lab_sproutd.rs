@@ -91,6 +91,15 @@ for bad in ../x ../../etc/passwd /etc/passwd d/../../x %2e%2e/x; do
   echo "escape: $(api GET "$f/content?path=$bad")"
 done
 echo "missing: $(api GET "$f/content?path=nope.txt")"
+# 64 MiB up and down raw, streamed: the same bytes back, and sproutd's
+# peak RSS stays under the file's size.
+head -c 67108864 /dev/urandom > /tmp/64m
+echo "raw-put: $(api PUT "$f/raw?path=big.bin" --data-file /tmp/64m)"
+api GET "$f/raw?path=big.bin" > /tmp/64m.back
+echo "raw-sha: $(sha256sum < /tmp/64m | cut -c1-64) $(head -c 67108864 /tmp/64m.back | sha256sum | cut -c1-64) $(wc -c < /tmp/64m.back)"
+echo "raw-missing: $(api GET "$f/raw?path=nope.bin")"
+echo "hwm-kib: $(awk '/^VmHWM:/ { print $2 }' /proc/$daemon/status)"
+rm -f /tmp/64m /tmp/64m.back
 echo "rm: $(api DELETE "$f?path=d&recursive=true")"
 echo "ls-after: $(api GET "$f?path=.")"
 # A second sandbox, on the busybox image, whose worker is killed: its next
@@ -238,6 +247,20 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         "file_not_found",
         "{o}"
     );
+    assert_eq!(json(&out, "raw-put:")["bytes"], 64 << 20, "{o}");
+    let sha = out.values("raw-sha:");
+    let sha: Vec<&str> = sha[0].split_whitespace().collect();
+    assert_eq!(sha.len(), 3, "{o}");
+    assert_eq!(sha[0], sha[1], "the download is the upload\n{o}");
+    // 64 MiB and the newline sprout api adds.
+    assert_eq!(sha[2], ((64 << 20) + 1).to_string(), "{o}");
+    assert_eq!(
+        json(&out, "raw-missing:")["error"]["code"],
+        "file_not_found",
+        "{o}"
+    );
+    let hwm: u64 = out.values("hwm-kib:")[0].parse().unwrap();
+    assert!(hwm < 64 * 1024, "sproutd's peak RSS {hwm} KiB\n{o}");
     assert_eq!(json(&out, "rm:")["deleted"], true, "{o}");
     let after = json(&out, "ls-after:");
     let names: Vec<&str> = after["entries"]

@@ -259,3 +259,91 @@ pub async fn remove(
         Err(e) => Err(file_error(&app, &s, &q.path, e).await),
     }
 }
+
+/// Bytes of a raw transfer buffered between HTTP and the agent.
+const RAW_PIPE: usize = 256 * 1024;
+
+/// `GET /vms/{id}/files/raw?path=`: the file's bytes, streamed as the agent
+/// sends them (no size cap; never held whole here).
+pub async fn get_raw(
+    State(app): State<Arc<App>>,
+    vm: Vm,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Response, ApiError> {
+    let q = query(q)?;
+    let (s, agent) = agent_for(&app, &vm).await?;
+    // The first chunk tells a missing file or an escape from a good start.
+    let first = async {
+        let mut r = agent.read_file(&q.path, 0, None).await?;
+        let c = r.next_chunk().await?;
+        Ok::<_, ClientError>((r, c))
+    };
+    let (reader, first) = match first.await {
+        Ok(v) => v,
+        Err(e) => return Err(file_error(&app, &s, &q.path, e).await),
+    };
+    let head = futures_util::stream::iter(first.map(|c| Ok::<_, std::io::Error>(Bytes::from(c))));
+    let rest = futures_util::stream::unfold(Some(reader), |r| async move {
+        let mut r = r?;
+        match r.next_chunk().await {
+            Ok(Some(c)) => Some((Ok(Bytes::from(c)), Some(r))),
+            Ok(None) => None,
+            // The client sees the body end early (the connection is cut).
+            Err(e) => Some((Err(std::io::Error::other(e.to_string())), None)),
+        }
+    });
+    use futures_util::StreamExt as _;
+    let body = axum::body::Body::from_stream(head.chain(rest));
+    Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
+}
+
+/// `PUT /vms/{id}/files/raw?path=`: the request body streamed into the
+/// file (created or truncated), with no size cap; a body that fails part
+/// way removes the file.
+pub async fn put_raw(
+    State(app): State<Arc<App>>,
+    vm: Vm,
+    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    body: axum::body::Body,
+) -> Result<Json<Written>, ApiError> {
+    let q = query(q)?;
+    let (s, agent) = agent_for(&app, &vm).await?;
+    let (mut rd, mut wr) = tokio::io::duplex(RAW_PIPE);
+    let feeder = tokio::spawn(async move {
+        use futures_util::StreamExt as _;
+        use tokio::io::AsyncWriteExt as _;
+        let mut stream = body.into_data_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            wr.write_all(&chunk)
+                .await
+                .map_err(|e| format!("the agent stopped reading: {e}"))?;
+        }
+        wr.shutdown().await.map_err(|e| e.to_string())
+    });
+    let wrote = agent
+        .write_file(
+            &q.path,
+            guest_agent::client::WriteOptions::default(),
+            &mut rd,
+        )
+        .await;
+    let fed = feeder
+        .await
+        .unwrap_or_else(|e| Err(format!("the body task failed: {e}")));
+    match (wrote, fed) {
+        (Ok(bytes), Ok(())) => Ok(Json(Written {
+            path: q.path,
+            bytes,
+        })),
+        (Err(e), _) => Err(file_error(&app, &s, &q.path, e).await),
+        (Ok(_), Err(why)) => {
+            // A partial file must not look like the upload.
+            let _ = agent.remove(&q.path, false).await;
+            Err(ApiError::new(
+                Code::BadRequest,
+                format!("The upload of {} failed part way: {why}", q.path),
+            ))
+        }
+    }
+}

@@ -53,17 +53,24 @@ pub fn router(app: Arc<App>) -> Router {
             "/vms/{id}/processes/{exec_id}/signal",
             post(super::procs::signal),
         );
-    Router::new()
+    // Raw files stream with no cap; every other body is limited.
+    let raw = Router::new().route(
+        "/v1/runtime/vms/{id}/files/raw",
+        get(super::files::get_raw).put(super::files::put_raw),
+    );
+    let limited = Router::new()
         .route("/v1/health", get(health))
         .route("/v1/info", get(info))
         .route("/metrics", get(metrics))
         .nest("/v1/runtime", runtime)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY));
+    limited
+        .merge(raw)
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
-        .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY))
         .layer(axum::middleware::map_response(envelope))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
