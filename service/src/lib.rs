@@ -1,7 +1,8 @@
 //! The Sprout service crate: the `sprout` CLI, which drives VMs through the
-//! worker protocol (`control`), today;
-//! `sproutd`, the REST service, joins it later.
+//! worker protocol (`control`), and `sproutd`, the REST service (`daemon`),
+//! which the CLI also runs as `sprout daemon`.
 
 pub mod agent;
 pub mod control;
+pub mod daemon;
 pub mod linux;

@@ -304,7 +304,40 @@ pub fn main(run: LinuxRun) -> ExitCode {
 
 /// [`main`] without the printing: the exit status, or why the VM could not run.
 pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
-    // Everything the user typed is checked first, then the host.
+    let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
+    let mut cfg = vm_config(&run, &scratch.0)?;
+    let uds = cfg
+        .vsock
+        .as_ref()
+        .map(|v| v.uds_path.clone())
+        .unwrap_or_else(|| scratch.0.join("vsock.sock"));
+    let console = ConsoleBuffer::new(CONSOLE_CAP);
+    // With --exec the console is kept for error reports (or shown on stderr
+    // with SPROUT_CONSOLE=stderr); stdout is the command's.
+    cfg.serial = console_output(&run.job, &console);
+
+    let started = Instant::now();
+    let vm = Vm::start(cfg)?;
+    let code = finish(
+        vm,
+        &uds,
+        &run.job,
+        run.api_sock.as_deref(),
+        &console,
+        false,
+        started,
+    )?;
+    drop(scratch);
+    Ok(code)
+}
+
+/// The VM configuration of a Linux guest for `run` (everything but its
+/// console): the kernel, the base image read-only, the writable disk (created
+/// from the template when missing; in `dir` unless `run.disk` names one),
+/// vsock to the agent (`run.vsock_uds`, else in `dir`) and rng. Everything the
+/// user gave is checked first, then whether this host's KVM can run Linux
+/// guests at all. `sprout vm run` and `sproutd` both build their VMs here.
+pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
     let kernel = match &run.kernel {
         Some(k) => k.clone(),
         None => {
@@ -326,11 +359,10 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     }
     vmm::arch::probe::check_linux_guests()?;
 
-    let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
     let disk = match &run.disk {
         Some(d) if d.exists() => d.clone(),
         d => {
-            let dst = d.clone().unwrap_or_else(|| scratch.0.join("disk.ext4"));
+            let dst = d.clone().unwrap_or_else(|| dir.join("disk.ext4"));
             let template = cache_dir().join("images/scratch.ext4");
             if !template.is_file() {
                 return Err(LinuxError::NoTemplate(template));
@@ -342,8 +374,7 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     let uds = run
         .vsock_uds
         .clone()
-        .unwrap_or_else(|| scratch.0.join("vsock.sock"));
-
+        .unwrap_or_else(|| dir.join("vsock.sock"));
     cfg.cmdline = format!("{DEFAULT_CMDLINE} {}", run.cmdline.trim())
         .trim()
         .to_string();
@@ -361,27 +392,10 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     ];
     cfg.vsock = Some(VsockConfig {
         guest_cid: GUEST_CID,
-        uds_path: uds.clone(),
+        uds_path: uds,
     });
     cfg.rng = true;
-    let console = ConsoleBuffer::new(CONSOLE_CAP);
-    // With --exec the console is kept for error reports (or shown on stderr
-    // with SPROUT_CONSOLE=stderr); stdout is the command's.
-    cfg.serial = console_output(&run.job, &console);
-
-    let started = Instant::now();
-    let vm = Vm::start(cfg)?;
-    let code = finish(
-        vm,
-        &uds,
-        &run.job,
-        run.api_sock.as_deref(),
-        &console,
-        false,
-        started,
-    )?;
-    drop(scratch);
-    Ok(code)
+    Ok(cfg)
 }
 
 /// Where the guest console goes: the terminal without a job; with one it is

@@ -130,7 +130,10 @@ done < <("$root/guest/build-images.sh" "${images[@]}")
 say "building sprout (release)"
 json=$(cd "$root" && cargo build --release --locked -p service --bin sprout \
   --message-format=json-render-diagnostics) || die "building sprout failed"
-sprout=$root/target/release/sprout
+# Where cargo put it (CARGO_TARGET_DIR may move the target directory).
+sprout=$(printf '%s\n' "$json" | grep '"reason":"compiler-artifact"' | grep '"executable":"[^"]*/sprout"' |
+  tail -1 | sed 's/.*"executable":"\([^"]*\)".*/\1/')
+[ -n "$sprout" ] || sprout=$root/target/release/sprout
 testguest=$(printf '%s\n' "$json" | grep -o '"TESTGUEST_PATH","[^"]*"' | tail -1 | cut -d'"' -f4)
 [ -x "$sprout" ] || die "no sprout binary at $sprout"
 [ -f "$testguest" ] || die "cannot find the test guest the sprout build made"

@@ -10,6 +10,8 @@
 //! sprout vm restore DIR [--memory-backend mmap|uffd] [--vsock-uds PATH] [--api-sock PATH]
 //! sprout vm fork --api-sock PATH [--count N]     children are worker processes
 //! sprout worker --socket PATH [...]              run as a worker (sprout-worker)
+//! sprout daemon [--listen ADDR] [--data-dir DIR]  run sproutd, the REST service
+//! sprout api [--addr HOST:PORT] METHOD PATH [BODY]  one request to a sproutd
 //! ```
 
 use std::io::IsTerminal;
@@ -37,6 +39,40 @@ enum Cmd {
     /// Run as a worker process (as `sprout-worker` does).
     #[command(hide = true)]
     Worker(WorkerArgs),
+    /// Run sproutd, the sandbox REST service (docs/api.md).
+    Daemon(service::daemon::DaemonArgs),
+    /// Send one request to a sproutd and print the answer's body; exits 0
+    /// for a 2xx answer, 1 otherwise (the status goes to stderr).
+    Api(ApiArgs),
+}
+
+#[derive(Args)]
+struct ApiArgs {
+    /// sproutd's address.
+    #[arg(long, default_value = service::daemon::DEFAULT_LISTEN)]
+    addr: String,
+    /// Seconds to wait for each read or write (a schedule waits for a boot).
+    #[arg(long, default_value_t = 900)]
+    timeout: u64,
+    /// The Accept header (text/event-stream: a streamed exec, printed as
+    /// its events arrive).
+    #[arg(long)]
+    accept: Option<String>,
+    /// Another request header, `NAME: VALUE` (repeatable).
+    #[arg(long)]
+    header: Vec<String>,
+    /// Print the answer's status line and headers before its body.
+    #[arg(short, long)]
+    include: bool,
+    /// Send this file's bytes as the body (instead of BODY).
+    #[arg(long, conflicts_with = "body")]
+    data_file: Option<PathBuf>,
+    /// GET, POST, DELETE...
+    method: String,
+    /// The path, e.g. /v1/runtime/vms.
+    path: String,
+    /// A JSON body.
+    body: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -338,10 +374,65 @@ fn ctl(a: CtlArgs) -> Result<bool> {
     Ok(true)
 }
 
+fn api(a: ApiArgs) -> ExitCode {
+    let method = a.method.to_ascii_uppercase();
+    let file_body = match &a.data_file {
+        Some(p) => match std::fs::read(p) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                eprintln!("sprout: error: cannot read {}: {e}", p.display());
+                return ExitCode::FAILURE;
+            }
+        },
+        None => None,
+    };
+    let body = file_body
+        .as_deref()
+        .or_else(|| a.body.as_deref().map(str::as_bytes));
+    let timeout = std::time::Duration::from_secs(a.timeout.max(1));
+    let mut out = std::io::stdout();
+    let mut headers = a.header.clone();
+    if let Some(acc) = &a.accept {
+        headers.push(format!("Accept: {acc}"));
+    }
+    let req = service::daemon::api_client::Request {
+        addr: &a.addr,
+        method: &method,
+        path: &a.path,
+        body,
+        headers: &headers,
+        include: a.include,
+        timeout,
+    };
+    match service::daemon::api_client::request(&req, &mut out) {
+        Ok(status) => {
+            use std::io::Write as _;
+            let _ = out.write_all(b"\n");
+            eprintln!("sprout: HTTP {status}");
+            if (200..300).contains(&status) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+        Err(e) => {
+            eprintln!("sprout: error: {}", service::daemon::error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
+    match cli.cmd {
+        // sproutd logs with tracing.
+        Cmd::Daemon(a) => return service::daemon::main(a),
+        Cmd::Api(a) => return api(a),
+        _ => {}
+    }
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let res = match cli.cmd {
+        Cmd::Daemon(_) | Cmd::Api(_) => unreachable!("handled above"),
         Cmd::Vm(VmCmd::Run(a)) => match a.kernel.as_deref() {
             Some(k) if service::linux::is_test_guest(k) => run(a),
             _ => return service::linux::main(a.into_linux()),

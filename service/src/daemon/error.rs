@@ -1,0 +1,256 @@
+//! The one error envelope of the REST API and the one mapping from stable
+//! error codes to HTTP statuses.
+//!
+//! Every error answer is `{"error": {"code": CODE, "message": TEXT}}` (plus
+//! `"field"` when one request field is to blame). Clients branch on `code`,
+//! never on `message`; codes are never renamed or reused (docs/api.md).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// A stable error code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Code {
+    /// A malformed request (bad query string, bad header).
+    BadRequest,
+    /// The body is not JSON (a syntax error, or cut short).
+    InvalidJson,
+    /// The body is JSON but not of the request's shape: a wrong type, an
+    /// unknown or missing field.
+    InvalidBody,
+    /// A field's value is outside its allowed range or set.
+    InvalidValue,
+    /// A body that is not `application/json`.
+    UnsupportedMediaType,
+    PayloadTooLarge,
+    /// No such route.
+    NotFound,
+    MethodNotAllowed,
+    /// No sandbox has this id.
+    VmNotFound,
+    /// The image named is not built here.
+    UnknownImage,
+    /// The request is impossible in the sandbox's current state.
+    InvalidState,
+    /// This host's KVM cannot run Linux guests (see /v1/info).
+    HostUnsupported,
+    /// The sandbox's VM did not come up (its worker or guest failed).
+    BootFailed,
+    /// The sandbox's guest agent could not be reached.
+    AgentUnavailable,
+    /// The agent could not start the command (no such program, bad cwd...).
+    ExecFailed,
+    /// The sandbox's worker process failed a request.
+    WorkerFailed,
+    /// The request is not possible for this kind of sandbox (an exec in the
+    /// test guest, which has no agent).
+    NotSupported,
+    /// Too many execs at once in one sandbox: retry later.
+    Busy,
+    /// No background process of the sandbox has this id.
+    ProcessNotFound,
+    /// The background process's stdin is closed (or was never open).
+    StdinClosed,
+    /// A file path that leaves `/workspace`.
+    PathEscape,
+    /// A malformed file path (empty, NUL, the root where a child is needed).
+    InvalidPath,
+    FileNotFound,
+    /// The path exists as the wrong kind (a directory for a file...), or a
+    /// directory to remove is not empty.
+    FileConflict,
+    PermissionDenied,
+    /// A file's content is not UTF-8 text.
+    NotText,
+    /// Any other refusal of a file operation by the agent.
+    FileError,
+    Internal,
+}
+
+impl Code {
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::BadRequest
+            | Self::InvalidJson
+            | Self::InvalidBody
+            | Self::InvalidValue
+            | Self::UnknownImage
+            | Self::ExecFailed
+            | Self::NotSupported
+            | Self::PathEscape
+            | Self::InvalidPath
+            | Self::NotText
+            | Self::FileError => StatusCode::BAD_REQUEST,
+            Self::FileNotFound => StatusCode::NOT_FOUND,
+            Self::FileConflict => StatusCode::CONFLICT,
+            Self::PermissionDenied => StatusCode::FORBIDDEN,
+            Self::Busy => StatusCode::TOO_MANY_REQUESTS,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound | Self::VmNotFound | Self::ProcessNotFound => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Self::InvalidState | Self::StdinClosed => StatusCode::CONFLICT,
+            Self::HostUnsupported => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BootFailed | Self::AgentUnavailable | Self::WorkerFailed => {
+                StatusCode::BAD_GATEWAY
+            }
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The code an error answer of `status` gets when nothing more precise
+    /// made it (axum's own rejections, layers' answers).
+    pub fn for_status(status: StatusCode) -> Self {
+        match status {
+            StatusCode::NOT_FOUND => Self::NotFound,
+            StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed,
+            StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::UnsupportedMediaType,
+            s if s.is_client_error() => Self::BadRequest,
+            _ => Self::Internal,
+        }
+    }
+}
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError {
+    pub code: Code,
+    pub message: String,
+    pub field: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(code: Code, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            field: None,
+        }
+    }
+
+    /// A bad value of `field`.
+    pub fn field(field: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            code: Code::InvalidValue,
+            message: message.into(),
+            field: Some(field),
+        }
+    }
+
+    pub fn vm_not_found(id: &str) -> Self {
+        Self::new(Code::VmNotFound, format!("No sandbox has the id {id:?}"))
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(Code::Internal, message)
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.message)
+    }
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Body<'a>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    code: Code,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<&'a str>,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        match self.code {
+            Code::Internal => tracing::error!(code = ?self.code, "{}", self.message),
+            c if c.status().is_server_error() => {
+                tracing::warn!(code = ?self.code, "{}", self.message)
+            }
+            _ => {}
+        }
+        let body = Envelope {
+            error: Body {
+                code: self.code,
+                message: &self.message,
+                field: self.field,
+            },
+        };
+        (self.code.status(), axum::Json(body)).into_response()
+    }
+}
+
+/// `e` and its causes on one line.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_has_an_error_status_and_a_snake_case_name() {
+        let codes = [
+            Code::BadRequest,
+            Code::InvalidJson,
+            Code::InvalidBody,
+            Code::InvalidValue,
+            Code::UnsupportedMediaType,
+            Code::PayloadTooLarge,
+            Code::NotFound,
+            Code::MethodNotAllowed,
+            Code::VmNotFound,
+            Code::UnknownImage,
+            Code::InvalidState,
+            Code::HostUnsupported,
+            Code::BootFailed,
+            Code::AgentUnavailable,
+            Code::ExecFailed,
+            Code::WorkerFailed,
+            Code::NotSupported,
+            Code::Busy,
+            Code::ProcessNotFound,
+            Code::StdinClosed,
+            Code::PathEscape,
+            Code::InvalidPath,
+            Code::FileNotFound,
+            Code::FileConflict,
+            Code::PermissionDenied,
+            Code::NotText,
+            Code::FileError,
+            Code::Internal,
+        ];
+        for c in codes {
+            assert!(c.status().as_u16() >= 400, "{c:?}");
+            let name = serde_json::to_value(c).unwrap();
+            let name = name.as_str().unwrap();
+            assert!(
+                name.chars().all(|ch| ch.is_ascii_lowercase() || ch == '_'),
+                "{name}"
+            );
+        }
+        assert_eq!(
+            serde_json::to_value(Code::VmNotFound).unwrap(),
+            "vm_not_found"
+        );
+        assert_eq!(Code::for_status(StatusCode::NOT_FOUND), Code::NotFound);
+        assert_eq!(Code::for_status(StatusCode::IM_A_TEAPOT), Code::BadRequest);
+        assert_eq!(Code::for_status(StatusCode::BAD_GATEWAY), Code::Internal);
+    }
+}

@@ -1,0 +1,520 @@
+//! `POST /v1/runtime/vms/{id}/exec`: one command run to its end through the
+//! sandbox's agent, its output buffered (at most [`MAX_OUTPUT`] bytes per
+//! stream; the rest is counted, dropped and flagged).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine as _;
+use guest_agent::client::ClientError;
+use guest_agent::protocol::{ErrorCode as AgentCode, Exec};
+use serde::{Deserialize, Serialize};
+use sprout_worker::protocol::WorkerState;
+
+use super::error::{chain, ApiError, Code};
+use super::images::TEST_GUEST_IMAGE;
+use super::registry::{Sandbox, State as VmState};
+use super::routes::{check_env, ApiJson};
+use super::supervisor::describe;
+use super::App;
+
+/// Most bytes of each output stream a buffered exec returns.
+pub const MAX_OUTPUT: usize = 1 << 20;
+/// Longest `timeoutMs`: a day.
+const MAX_TIMEOUT_MS: i64 = 24 * 3600 * 1000;
+const MAX_ARGS: usize = 4096;
+const MAX_COMMAND: usize = 64 * 1024;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ExecReq {
+    /// The program: a path, or a name looked up in `PATH` (execve-style; for
+    /// a shell line, `/bin/sh` with argv `["-c", LINE]`).
+    command: String,
+    /// `argv[1..]`.
+    #[serde(default)]
+    argv: Vec<String>,
+    /// On top of the sandbox's own `env`.
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    cwd: Option<String>,
+    /// Bytes fed to the process's stdin, then end of file.
+    stdin: Option<String>,
+    /// `stdin` is base64 (for binary input).
+    #[serde(default)]
+    stdin_base64: bool,
+    /// Kill the process group after this long (`timedOut` says so).
+    timeout_ms: Option<i64>,
+    /// Start it as a background process: the answer is `{execId, pid}` at
+    /// once (see [`super::procs`]).
+    #[serde(default)]
+    background: bool,
+    /// Background processes: keep stdin open for `POST .../stdin`.
+    #[serde(default)]
+    stdin_open: bool,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExecResp {
+    stdout: String,
+    stderr: String,
+    /// `stdout` is base64: the output was not UTF-8.
+    stdout_base64: bool,
+    stderr_base64: bool,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    duration_ms: u64,
+    timed_out: bool,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
+fn text(bytes: Vec<u8>) -> (String, bool) {
+    match String::from_utf8(bytes) {
+        Ok(s) => (s, false),
+        Err(e) => (
+            base64::engine::general_purpose::STANDARD.encode(e.as_bytes()),
+            true,
+        ),
+    }
+}
+
+fn check(req: &ExecReq) -> Result<Option<Vec<u8>>, ApiError> {
+    if req.command.is_empty() || req.command.len() > MAX_COMMAND || req.command.contains('\0') {
+        return Err(ApiError::field(
+            "command",
+            format!("command must be 1 to {MAX_COMMAND} bytes with no NUL"),
+        ));
+    }
+    if req.argv.len() > MAX_ARGS || req.argv.iter().any(|a| a.contains('\0')) {
+        return Err(ApiError::field(
+            "argv",
+            format!("argv must be at most {MAX_ARGS} arguments with no NUL"),
+        ));
+    }
+    check_env("env", &req.env)?;
+    if req
+        .cwd
+        .as_ref()
+        .is_some_and(|c| c.is_empty() || c.contains('\0'))
+    {
+        return Err(ApiError::field("cwd", "cwd must be a path with no NUL"));
+    }
+    if let Some(t) = req.timeout_ms {
+        if !(1..=MAX_TIMEOUT_MS).contains(&t) {
+            return Err(ApiError::field(
+                "timeoutMs",
+                format!("timeoutMs is {t}: it must be 1 to {MAX_TIMEOUT_MS}"),
+            ));
+        }
+    }
+    if req.stdin_open && !req.background {
+        return Err(ApiError::field(
+            "stdinOpen",
+            "stdinOpen is for background processes",
+        ));
+    }
+    match (&req.stdin, req.stdin_base64) {
+        (None, _) => Ok(None),
+        (Some(s), false) => Ok(Some(s.clone().into_bytes())),
+        (Some(s), true) => base64::engine::general_purpose::STANDARD
+            .decode(s)
+            .map(Some)
+            .map_err(|e| ApiError::field("stdin", format!("stdin is not base64: {e}"))),
+    }
+}
+
+pub async fn exec(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ExecReq>,
+) -> Result<Response, ApiError> {
+    let stdin = check(&req)?;
+    let (s, agent) = agent_for(&app, &id).await?;
+    // The sandbox's env, then the request's on top.
+    let mut env = s.env.clone();
+    env.extend(req.env);
+    let x = Exec {
+        command: req.command,
+        argv: req.argv,
+        env: env.into_iter().collect(),
+        cwd: req.cwd,
+        timeout_ms: req.timeout_ms.map(|t| t as u64),
+        output_limit: Some(MAX_OUTPUT as u64),
+        ..Exec::default()
+    };
+    if req.background {
+        return super::procs::start(&app, &s, &agent, x, stdin, req.stdin_open).await;
+    }
+    let streamed = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("text/event-stream"));
+    tracing::info!(vm = %s.id, command = %x.command, streamed, "exec");
+    let t = std::time::Instant::now();
+    if streamed {
+        return stream(app, s, agent, x, stdin).await;
+    }
+    let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
+        Ok(out) => out,
+        Err(e) => return Err(failure(&app, &s, &e).await),
+    };
+    app.metrics.exec.observe(t.elapsed());
+    let (stdout, stdout_base64) = text(out.stdout);
+    let (stderr, stderr_base64) = text(out.stderr);
+    let e = out.exit;
+    Ok(Json(ExecResp {
+        stdout,
+        stderr,
+        stdout_base64,
+        stderr_base64,
+        exit_code: e.code,
+        signal: e.signal,
+        duration_ms: e.duration_us / 1000,
+        timed_out: e.timed_out,
+        stdout_truncated: e.stdout_truncated,
+        stderr_truncated: e.stderr_truncated,
+    })
+    .into_response())
+}
+
+/// The sandbox `id` names and its agent, if it can run commands now.
+pub async fn agent_for(
+    app: &Arc<App>,
+    id: &str,
+) -> Result<(Sandbox, Arc<guest_agent::client::Client>), ApiError> {
+    let s = app.sandbox(id).await?;
+    if s.image == TEST_GUEST_IMAGE {
+        return Err(ApiError::new(
+            Code::NotSupported,
+            format!(
+                "Sandbox {} runs the test guest, which has no agent to exec in",
+                s.id
+            ),
+        ));
+    }
+    if s.state != VmState::Running {
+        return Err(ApiError::new(
+            Code::InvalidState,
+            format!(
+                "Sandbox {} is {}: this needs it running",
+                s.id,
+                s.state.as_str()
+            ),
+        ));
+    }
+    let agent = app.agent(&s).ok_or_else(|| {
+        ApiError::new(
+            Code::AgentUnavailable,
+            format!("Sandbox {} has no vsock socket", s.id),
+        )
+    })?;
+    Ok((s, agent))
+}
+
+/// What the `exit` event of a streamed exec carries.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ExitEvent {
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    duration_ms: u64,
+    timed_out: bool,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
+/// A `stdout` or `stderr` event's data.
+#[derive(Debug, Serialize)]
+struct Chunk {
+    data: String,
+    base64: bool,
+}
+
+/// Splits a stream's bytes into chunks to send: the valid UTF-8 as text,
+/// keeping an incomplete character at the end for the next read; bytes that
+/// are not UTF-8 as base64.
+#[derive(Default)]
+struct Utf8Chunks {
+    carry: Vec<u8>,
+}
+
+impl Utf8Chunks {
+    fn push(&mut self, data: &[u8]) -> Option<Chunk> {
+        self.carry.extend_from_slice(data);
+        let (text_len, keep) = match std::str::from_utf8(&self.carry) {
+            Ok(_) => (self.carry.len(), 0),
+            // A character cut at the end: keep its start (at most 3 bytes).
+            Err(e) if e.error_len().is_none() => {
+                (e.valid_up_to(), self.carry.len() - e.valid_up_to())
+            }
+            Err(_) => {
+                let all = std::mem::take(&mut self.carry);
+                return Some(Chunk {
+                    data: base64::engine::general_purpose::STANDARD.encode(all),
+                    base64: true,
+                });
+            }
+        };
+        if text_len == 0 {
+            return None;
+        }
+        let rest = self.carry.split_off(text_len);
+        let text = std::mem::replace(&mut self.carry, rest);
+        debug_assert!(self.carry.len() == keep);
+        Some(Chunk {
+            data: String::from_utf8(text).unwrap_or_default(),
+            base64: false,
+        })
+    }
+
+    /// What is left at the exit (a cut character): base64.
+    fn finish(&mut self) -> Option<Chunk> {
+        (!self.carry.is_empty()).then(|| Chunk {
+            data: base64::engine::general_purpose::STANDARD.encode(std::mem::take(&mut self.carry)),
+            base64: true,
+        })
+    }
+}
+
+/// Most events a streamed exec buffers for a slow client before the
+/// process waits (the agent connection is the backpressure beyond it).
+const STREAM_BUFFER: usize = 64;
+
+/// A streamed exec: SSE `stdout` and `stderr` events as output arrives,
+/// then one `exit` (or `error`) event; ids count from 1. A client that goes
+/// away ends the exec (its process group is killed).
+async fn stream(
+    app: Arc<App>,
+    s: Sandbox,
+    agent: Arc<guest_agent::client::Client>,
+    mut x: Exec,
+    stdin: Option<Vec<u8>>,
+) -> Result<Response, ApiError> {
+    if stdin.is_some() {
+        x.stdin = guest_agent::protocol::StdinMode::Stream;
+    }
+    let mut session = match agent.exec(x).await {
+        Ok(session) => session,
+        Err(e) => return Err(failure(&app, &s, &e).await),
+    };
+    if let (Some(data), Some(mut w)) = (stdin, session.take_stdin()) {
+        tokio::spawn(async move {
+            // The process may stop reading early: its exit tells, not this.
+            if w.write(&data).await.is_ok() {
+                let _ = w.close().await;
+            }
+        });
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Event>(STREAM_BUFFER);
+    let t = std::time::Instant::now();
+    tokio::spawn(async move {
+        let mut n = 0u64;
+        let mut next_id = || {
+            n += 1;
+            n.to_string()
+        };
+        let (mut out, mut err) = (Utf8Chunks::default(), Utf8Chunks::default());
+        let chunk_event = |name: &'static str, c: Chunk, id: String| {
+            Event::default()
+                .event(name)
+                .id(id)
+                .json_data(c)
+                .unwrap_or_else(|_| Event::default().event(name))
+        };
+        loop {
+            let ev = match session.next_event().await {
+                Ok(Some(guest_agent::client::ExecEvent::Stdout(d))) => {
+                    out.push(&d).map(|c| chunk_event("stdout", c, next_id()))
+                }
+                Ok(Some(guest_agent::client::ExecEvent::Stderr(d))) => {
+                    err.push(&d).map(|c| chunk_event("stderr", c, next_id()))
+                }
+                Ok(Some(guest_agent::client::ExecEvent::Exit(e))) => {
+                    for (name, c) in [("stdout", out.finish()), ("stderr", err.finish())] {
+                        if let Some(c) = c {
+                            let _ = tx.send(chunk_event(name, c, next_id())).await;
+                        }
+                    }
+                    app.metrics.exec.observe(t.elapsed());
+                    let exit = ExitEvent {
+                        exit_code: e.code,
+                        signal: e.signal,
+                        duration_ms: e.duration_us / 1000,
+                        timed_out: e.timed_out,
+                        stdout_truncated: e.stdout_truncated,
+                        stderr_truncated: e.stderr_truncated,
+                    };
+                    let ev = Event::default().event("exit").id(next_id());
+                    let _ = tx.send(ev.json_data(exit).unwrap_or_default()).await;
+                    return;
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let e = failure(&app, &s, &e).await;
+                    let body = serde_json::json!({"error": {"code": e.code, "message": e.message}});
+                    let ev = Event::default().event("error").id(next_id());
+                    let _ = tx.send(ev.json_data(body).unwrap_or_default()).await;
+                    return;
+                }
+            };
+            // A send fails once the client has gone: dropping the session
+            // then ends the exec.
+            if let Some(ev) = ev {
+                if tx.send(ev).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    let events = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|ev| (Ok::<_, std::convert::Infallible>(ev), rx))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+/// The answer to a failed exec. When the agent could not be reached, the
+/// sandbox's worker is asked whether it still holds a live VM: if not (a
+/// killed worker, a guest that ended), the sandbox becomes `failed` with
+/// the reason.
+pub async fn failure(app: &Arc<App>, s: &Sandbox, e: &ClientError) -> ApiError {
+    let err = agent_error(s.id, e);
+    let Some(sock) = s
+        .worker_socket
+        .clone()
+        .filter(|_| err.code == Code::AgentUnavailable)
+    else {
+        return err;
+    };
+    let pid = s.pid;
+    let why = tokio::task::spawn_blocking(move || match describe(&sock) {
+        Err(e) => Some(format!("The sandbox's worker is gone ({e})")),
+        Ok(d) if pid.is_some_and(|p| p != d.pid) => Some(format!(
+            "Another process (pid {}) answers on the worker's socket",
+            d.pid
+        )),
+        Ok(d) => match d.state {
+            WorkerState::Running | WorkerState::Paused | WorkerState::Created => None,
+            other => Some(format!("The sandbox's VM ended ({other})")),
+        },
+    })
+    .await
+    .ok()
+    .flatten();
+    let Some(why) = why else { return err };
+    let (id, reason) = (s.id, why.clone());
+    tracing::warn!(vm = %id, "marked failed: {why}");
+    super::lock(&app.agents).remove(&id);
+    if let Err(e) = app
+        .db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))
+        .await
+    {
+        return e;
+    }
+    ApiError::new(
+        Code::AgentUnavailable,
+        format!("Sandbox {id} has failed: {why}"),
+    )
+}
+
+fn agent_error(id: uuid::Uuid, e: &ClientError) -> ApiError {
+    match e {
+        ClientError::Agent {
+            code: AgentCode::Busy,
+            message,
+        } => ApiError::new(Code::Busy, format!("Sandbox {id} is busy: {message}")),
+        ClientError::Agent { code, message } => ApiError::new(
+            Code::ExecFailed,
+            format!("The command could not run ({code:?}): {message}"),
+        ),
+        e => ApiError::new(
+            Code::AgentUnavailable,
+            format!("The agent of sandbox {id} failed: {}", chain(e)),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(json: &str) -> ExecReq {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn output_that_is_not_utf8_is_base64() {
+        assert_eq!(text(b"hi\n".to_vec()), ("hi\n".into(), false));
+        assert_eq!(text(vec![0xff, 0x00]), ("/wA=".into(), true));
+    }
+
+    #[test]
+    fn streamed_output_keeps_characters_whole_and_sends_the_rest_as_base64() {
+        let mut c = Utf8Chunks::default();
+        let euro = "€".as_bytes(); // 3 bytes
+        let a = c.push(&[b'a', euro[0]]).unwrap();
+        assert_eq!((a.data.as_str(), a.base64), ("a", false));
+        assert!(c.push(&euro[1..2]).is_none(), "still cut");
+        let b = c.push(&[euro[2], b'b']).unwrap();
+        assert_eq!((b.data.as_str(), b.base64), ("€b", false));
+        let bad = c.push(&[0xff, b'x']).unwrap();
+        assert_eq!((bad.data.as_str(), bad.base64), ("/3g=", true));
+        assert!(c.finish().is_none());
+        assert!(c.push(&euro[..2]).is_none());
+        let end = c.finish().unwrap();
+        assert!(end.base64);
+        assert_eq!(
+            base64::engine::general_purpose::STANDARD
+                .decode(end.data)
+                .unwrap(),
+            &euro[..2]
+        );
+    }
+
+    #[test]
+    fn exec_requests_are_checked_field_by_field() {
+        let field = |j: &str| check(&req(j)).unwrap_err().field;
+        assert_eq!(field(r#"{"command":""}"#), Some("command"));
+        assert_eq!(field(r#"{"command":"a\u0000b"}"#), Some("command"));
+        assert_eq!(
+            field(r#"{"command":"ls","timeoutMs":0}"#),
+            Some("timeoutMs")
+        );
+        assert_eq!(
+            field(r#"{"command":"ls","timeoutMs":86400001}"#),
+            Some("timeoutMs")
+        );
+        assert_eq!(field(r#"{"command":"ls","env":{"A=B":"x"}}"#), Some("env"));
+        assert_eq!(field(r#"{"command":"ls","cwd":""}"#), Some("cwd"));
+        assert_eq!(
+            field(r#"{"command":"cat","stdin":"%%%","stdinBase64":true}"#),
+            Some("stdin")
+        );
+        let ok = check(&req(
+            r#"{"command":"cat","stdin":"aGk=","stdinBase64":true}"#,
+        ))
+        .unwrap();
+        assert_eq!(ok, Some(b"hi".to_vec()));
+        assert!(serde_json::from_str::<ExecReq>(r#"{"command":"ls","shell":true}"#).is_err());
+        assert_eq!(
+            field(r#"{"command":"cat","stdinOpen":true}"#),
+            Some("stdinOpen")
+        );
+        assert!(check(&req(
+            r#"{"command":"cat","stdinOpen":true,"background":true}"#
+        ))
+        .is_ok());
+    }
+}

@@ -1,0 +1,299 @@
+//! `sproutd`: the sandbox REST service (docs/api.md).
+//!
+//! One process serves HTTP (axum on tokio); each sandbox is a detached
+//! worker process ([`supervisor`]) recorded in the SQLite [`registry`] under
+//! the data directory. A stopped `sproutd` leaves its workers running, and
+//! the next one re-adopts them by `describe` ([`App::adopt_all`]); a sandbox
+//! whose worker vanished is marked `failed` with the reason.
+//!
+//! `sproutd --listen ADDR --data-dir DIR`, also run as `sprout daemon`.
+
+pub mod api_client;
+mod error;
+mod exec;
+mod files;
+mod images;
+mod metrics;
+mod procs;
+pub mod registry;
+mod routes;
+mod supervisor;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use uuid::Uuid;
+
+pub use error::{chain as error_chain, ApiError, Code};
+use registry::{Image, Registry, RegistryError, Sandbox, State};
+use supervisor::Supervisor;
+
+/// The default listen address.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+/// Most bytes of any request body.
+pub const MAX_BODY: usize = 1 << 20;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct DaemonArgs {
+    /// The address to serve HTTP on (port 0: any free port; the line
+    /// `sproutd listening on http://ADDR` on stdout says which).
+    #[arg(long, default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// Where the registry and the sandboxes' files live (default
+    /// `~/.local/share/sprout`).
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("Cannot create the data directory {0}")]
+    DataDir(PathBuf, #[source] std::io::Error),
+    #[error("Another sproutd uses the data directory {0}")]
+    Locked(PathBuf),
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    #[error("Cannot listen on {0}")]
+    Listen(SocketAddr, #[source] std::io::Error),
+    #[error("Cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    #[error("Cannot find the program to run workers with")]
+    Worker(#[source] std::io::Error),
+    #[error("Serving HTTP failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// Whether this host can run Linux guests (the VMM's probe).
+#[derive(Clone, Debug)]
+pub struct HostMode {
+    pub linux_guests: bool,
+    /// Why not, when not.
+    pub reason: Option<String>,
+}
+
+/// What every request handler shares.
+pub struct App {
+    registry: Mutex<Registry>,
+    supervisor: Supervisor,
+    images: Vec<Image>,
+    host: HostMode,
+    data_dir: PathBuf,
+    /// Agent clients by sandbox (each keeps a few idle connections).
+    agents: Mutex<HashMap<Uuid, Arc<guest_agent::client::Client>>>,
+    /// Workers this process started (reaped on delete); adopted ones are
+    /// not our children.
+    children: Mutex<HashMap<Uuid, sprout_worker::WorkerProcess>>,
+    metrics: metrics::Metrics,
+}
+
+/// Locks `m`, whatever a panicking holder left (every value here stays
+/// consistent between statements).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl App {
+    /// Runs `f` on the registry, off the async threads.
+    async fn db<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&mut Registry) -> Result<T, RegistryError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let app = self.clone();
+        tokio::task::spawn_blocking(move || f(&mut lock(&app.registry)))
+            .await
+            .map_err(|e| ApiError::internal(format!("registry task failed: {e}")))?
+            .map_err(|e| ApiError::internal(error::chain(&e)))
+    }
+
+    /// The sandbox `id` names; 404 if none.
+    async fn sandbox(self: &Arc<Self>, id: &str) -> Result<Sandbox, ApiError> {
+        let uuid = Uuid::parse_str(id).map_err(|_| ApiError::vm_not_found(id))?;
+        self.db(move |r| r.get_sandbox(uuid))
+            .await?
+            .ok_or_else(|| ApiError::vm_not_found(id))
+    }
+
+    fn agent(&self, s: &Sandbox) -> Option<Arc<guest_agent::client::Client>> {
+        let uds = s.vsock_socket.as_ref()?;
+        let mut agents = lock(&self.agents);
+        Some(
+            agents
+                .entry(s.id)
+                .or_insert_with(|| Arc::new(crate::agent::client(uds)))
+                .clone(),
+        )
+    }
+
+    /// Re-adopts every sandbox a previous `sproutd` left with a worker: a
+    /// live one keeps (or takes) its worker's state, a vanished one becomes
+    /// `failed`; one being deleted is deleted.
+    async fn adopt_all(self: &Arc<Self>) -> Result<(), ApiError> {
+        let all = self.db(|r| r.list_sandboxes()).await?;
+        for s in all.into_iter().filter(|s| s.state.has_worker()) {
+            let id = s.id;
+            if s.state == State::Stopping {
+                let app = self.clone();
+                let r = tokio::task::spawn_blocking(move || app.supervisor.stop(&s, None)).await;
+                match r {
+                    Ok(Ok(())) => {
+                        self.db(move |r| r.delete_sandbox(id)).await?;
+                        tracing::info!(vm = %id, "finished the delete a previous sproutd began");
+                    }
+                    _ => {
+                        let why = "The worker did not stop when the sandbox was deleted";
+                        self.db(move |r| r.set_state(id, State::Failed, Some(why)))
+                            .await?;
+                    }
+                }
+                continue;
+            }
+            let app = self.clone();
+            let probe = tokio::task::spawn_blocking(move || app.supervisor.adopt(&s));
+            let (state, why) =
+                match tokio::time::timeout(std::time::Duration::from_secs(10), probe).await {
+                    Ok(Ok(v)) => v,
+                    Ok(Err(e)) => (State::Failed, Some(format!("Re-adoption failed: {e}"))),
+                    Err(_) => (
+                        State::Failed,
+                        Some("The sandbox's worker did not answer within 10 s".into()),
+                    ),
+                };
+            match &why {
+                None => tracing::info!(vm = %id, "re-adopted its worker ({})", state.as_str()),
+                Some(w) => tracing::warn!(vm = %id, "marked failed: {w}"),
+            }
+            self.db(move |r| r.set_state(id, state, why.as_deref()))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// `~/.local/share/sprout`.
+pub fn default_data_dir() -> PathBuf {
+    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    PathBuf::from(home).join(".local/share/sprout")
+}
+
+/// Runs `sproutd` until SIGINT or SIGTERM; the process exit status.
+pub fn main(args: DaemonArgs) -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sproutd: error: {}", error::chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
+    let path = dir.join("sproutd.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| DaemonError::DataDir(path.clone(), e))?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+        .map_err(|_| DaemonError::Locked(dir.to_owned()))?;
+    Ok(f)
+}
+
+fn run(args: DaemonArgs) -> Result<(), DaemonError> {
+    let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
+    std::fs::create_dir_all(data_dir.join("vms"))
+        .map_err(|e| DaemonError::DataDir(data_dir.clone(), e))?;
+    let _lock = lock_data_dir(&data_dir)?;
+    let mut registry = Registry::open(&data_dir.join("registry.db"))?;
+    let images = images::scan();
+    registry.set_images(&images, now_ms())?;
+    let host = match vmm::arch::probe::check_linux_guests() {
+        Ok(()) => HostMode {
+            linux_guests: true,
+            reason: None,
+        },
+        Err(e) => HostMode {
+            linux_guests: false,
+            reason: Some(error::chain(&e)),
+        },
+    };
+    let cmd = crate::control::worker_command().map_err(DaemonError::Worker)?;
+    let app = Arc::new(App {
+        registry: Mutex::new(registry),
+        supervisor: Supervisor::new(cmd, &data_dir),
+        images,
+        host,
+        data_dir: data_dir.clone(),
+        agents: Mutex::new(HashMap::new()),
+        children: Mutex::new(HashMap::new()),
+        metrics: metrics::Metrics::default(),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(DaemonError::Runtime)?;
+    rt.block_on(async move {
+        if let Err(e) = app.adopt_all().await {
+            tracing::error!("re-adopting workers: {}", e.message);
+        }
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|e| DaemonError::Listen(args.listen, e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| DaemonError::Listen(args.listen, e))?;
+        match &app.host.reason {
+            None => tracing::info!("this host's KVM runs Linux guests"),
+            Some(r) => tracing::warn!(
+                "this host's KVM cannot run Linux guests ({r}): only the test guest runs here"
+            ),
+        }
+        tracing::info!(data_dir = %app.data_dir.display(), "listening on http://{addr}");
+        // Tests and scripts read this line for the port.
+        {
+            use std::io::Write as _;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "sproutd listening on http://{addr}");
+            let _ = out.flush();
+        }
+        axum::serve(listener, routes::router(app))
+            .with_graceful_shutdown(shutdown())
+            .await
+            .map_err(DaemonError::Serve)?;
+        tracing::info!("stopped; workers keep running and are re-adopted on the next start");
+        Ok(())
+    })
+}
+
+async fn shutdown() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+}

@@ -1,0 +1,622 @@
+//! The HTTP surface: the router, its layers (request ids, logs, body limit,
+//! panics, the error envelope on every error answer) and the sandbox
+//! endpoints. Exec is in [`super::exec`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Query, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
+use uuid::Uuid;
+
+use super::error::{ApiError, Code};
+use super::images::TEST_GUEST_IMAGE;
+use super::registry::{Sandbox, State as VmState};
+use super::supervisor::BootError;
+use super::{lock, now_ms, App, MAX_BODY};
+
+type AppState = State<Arc<App>>;
+
+pub fn router(app: Arc<App>) -> Router {
+    let runtime = Router::new()
+        .route("/schedule", post(schedule))
+        .route("/vms", get(list))
+        .route("/vms/{id}", get(get_vm).delete(delete_vm))
+        .route("/vms/{id}/exec", post(super::exec::exec))
+        .route(
+            "/vms/{id}/files",
+            get(super::files::list).delete(super::files::remove),
+        )
+        .route(
+            "/vms/{id}/files/content",
+            get(super::files::get_content).put(super::files::put_content),
+        )
+        .route("/vms/{id}/files/mkdir", post(super::files::mkdir))
+        .route("/vms/{id}/processes", get(super::procs::list))
+        .route(
+            "/vms/{id}/processes/{exec_id}/events",
+            get(super::procs::events),
+        )
+        .route(
+            "/vms/{id}/processes/{exec_id}/stdin",
+            post(super::procs::stdin),
+        )
+        .route(
+            "/vms/{id}/processes/{exec_id}/signal",
+            post(super::procs::signal),
+        );
+    // Raw files stream with no cap; every other body is limited.
+    let raw = Router::new().route(
+        "/v1/runtime/vms/{id}/files/raw",
+        get(super::files::get_raw).put(super::files::put_raw),
+    );
+    let limited = Router::new()
+        .route("/v1/health", get(health))
+        .route("/v1/info", get(info))
+        .route("/metrics", get(metrics))
+        .nest("/v1/runtime", runtime)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY));
+    limited
+        .merge(raw)
+        .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(app.clone(), count))
+        .with_state(app)
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .layer(axum::middleware::map_response(envelope))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
+            let id = req
+                .headers()
+                .get("x-request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-");
+            tracing::info_span!("request", id, method = %req.method(), uri = %req.uri())
+        }))
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// Counts each answer by its route template (never the raw path: ids would
+/// make a series each).
+async fn count(State(app): AppState, req: Request, next: axum::middleware::Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |p| p.as_str())
+        .to_owned();
+    let method = req.method().to_string();
+    let resp = next.run(req).await;
+    app.metrics.request(&route, &method, resp.status().as_u16());
+    resp
+}
+
+async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
+    let all = app.db(|r| r.list_sandboxes()).await?;
+    let by_state: Vec<(&str, u64)> = VmState::ALL
+        .iter()
+        .map(|st| {
+            (
+                st.as_str(),
+                all.iter().filter(|s| s.state == *st).count() as u64,
+            )
+        })
+        .collect();
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.metrics.render(&by_state),
+    )
+        .into_response())
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        Code::NotFound,
+        format!("No route {} {}", req.method(), req.uri().path()),
+    )
+}
+
+/// Gives every error answer that is not already the envelope (axum's own
+/// 405, the body limit's 413, a caught panic's 500) the envelope, keeping
+/// its status and headers; a 413 closes the connection.
+async fn envelope(mut resp: Response) -> Response {
+    let status = resp.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        // The rest of the body is not read: the connection cannot carry
+        // another request, and the client must not try to.
+        resp.headers_mut().insert(
+            header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 1024)
+        .await
+        .ok()
+        .and_then(|b| String::from_utf8(b.to_vec()).ok())
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty());
+    let code = Code::for_status(status);
+    let message = match code {
+        // A panic's text is no business of the client's.
+        Code::Internal => "Internal error".to_owned(),
+        // axum adds the Allow header after this layer.
+        Code::MethodNotAllowed => "This method is not allowed here (see the Allow header)".into(),
+        Code::PayloadTooLarge => format!("The request body is over the {MAX_BODY}-byte limit"),
+        _ => text.unwrap_or_else(|| status.canonical_reason().unwrap_or("Error").to_owned()),
+    };
+    let mut fresh = ApiError::new(code, message).into_response();
+    *fresh.status_mut() = status;
+    for (k, v) in parts.headers.iter() {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            fresh.headers_mut().append(k.clone(), v.clone());
+        }
+    }
+    fresh
+}
+
+/// A JSON request body: `T` (strict: unknown fields are refused), with
+/// every failure as the envelope. An empty body is `{}`.
+pub struct ApiJson<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let json_type = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                let mime = v.split(';').next().unwrap_or("").trim();
+                mime.eq_ignore_ascii_case("application/json")
+            });
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            let status = e.status();
+            ApiError::new(
+                Code::for_status(status),
+                if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    format!("The request body is over the {MAX_BODY}-byte limit")
+                } else {
+                    format!("Cannot read the request body: {e}")
+                },
+            )
+        })?;
+        let bytes: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+            b"{}"
+        } else {
+            if json_type == Some(false) || json_type.is_none() {
+                return Err(ApiError::new(
+                    Code::UnsupportedMediaType,
+                    "The request body must be JSON (Content-Type: application/json)",
+                ));
+            }
+            &bytes
+        };
+        serde_json::from_slice(bytes).map(ApiJson).map_err(|e| {
+            use serde_json::error::Category;
+            match e.classify() {
+                Category::Data => {
+                    ApiError::new(Code::InvalidBody, format!("Bad request body: {e}"))
+                }
+                _ => ApiError::new(
+                    Code::InvalidJson,
+                    format!("The body is not valid JSON: {e}"),
+                ),
+            }
+        })
+    }
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Info {
+    version: &'static str,
+    host_mode: HostModeView,
+    images: Vec<super::registry::Image>,
+    data_dir: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct HostModeView {
+    /// Whether this host's KVM runs Linux guests (hardware virtualization,
+    /// or the emulated lab).
+    linux_guests: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+}
+
+async fn info(State(app): AppState) -> Json<Info> {
+    Json(Info {
+        version: env!("CARGO_PKG_VERSION"),
+        host_mode: HostModeView {
+            linux_guests: app.host.linux_guests,
+            reason: app.host.reason.clone(),
+        },
+        images: app.images.clone(),
+        data_dir: app.data_dir.display().to_string(),
+    })
+}
+
+/// `POST /v1/runtime/schedule`. Numbers are read wide so that a value out
+/// of range is told as such, naming its field.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ScheduleReq {
+    image: Option<String>,
+    cpus: Option<i64>,
+    memory_mb: Option<i64>,
+    disable_internet: Option<bool>,
+    idle_timeout_secs: Option<i64>,
+    env: Option<BTreeMap<String, String>>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+pub const MAX_METADATA: usize = 64;
+pub const MAX_METADATA_KEY: usize = 128;
+pub const MAX_METADATA_VALUE: usize = 1024;
+pub const MAX_ENV: usize = 256;
+pub const MAX_ENV_BYTES: usize = 32 * 1024;
+const MAX_IDLE_TIMEOUT: i64 = 30 * 24 * 3600;
+
+fn range(field: &'static str, v: i64, lo: i64, hi: i64) -> Result<i64, ApiError> {
+    if (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(ApiError::field(
+            field,
+            format!("{field} is {v}: it must be {lo} to {hi}"),
+        ))
+    }
+}
+
+/// Checks environment variables (names and values as execve takes them).
+pub fn check_env(field: &'static str, env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if env.len() > MAX_ENV {
+        return Err(ApiError::field(
+            field,
+            format!("{field} has {} variables: at most {MAX_ENV}", env.len()),
+        ));
+    }
+    let mut bytes = 0;
+    for (k, v) in env {
+        let bad_name =
+            k.is_empty() || k.contains('=') || k.contains('\0') || k.as_bytes()[0].is_ascii_digit();
+        if bad_name {
+            return Err(ApiError::field(
+                field,
+                format!("{field}: {k:?} is not a variable name"),
+            ));
+        }
+        if v.contains('\0') {
+            return Err(ApiError::field(
+                field,
+                format!("{field}: the value of {k} holds a NUL byte"),
+            ));
+        }
+        bytes += k.len() + v.len() + 2;
+    }
+    if bytes > MAX_ENV_BYTES {
+        return Err(ApiError::field(
+            field,
+            format!("{field} is {bytes} bytes: at most {MAX_ENV_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if m.len() > MAX_METADATA {
+        return Err(ApiError::field(
+            "metadata",
+            format!("metadata has {} keys: at most {MAX_METADATA}", m.len()),
+        ));
+    }
+    for (k, v) in m {
+        if k.is_empty() || k.len() > MAX_METADATA_KEY {
+            return Err(ApiError::field(
+                "metadata",
+                format!("metadata key {k:?}: keys are 1 to {MAX_METADATA_KEY} bytes"),
+            ));
+        }
+        if v.len() > MAX_METADATA_VALUE {
+            return Err(ApiError::field(
+                "metadata",
+                format!("metadata value of {k:?}: values are at most {MAX_METADATA_VALUE} bytes"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A sandbox as the API shows it.
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VmView {
+    vm_id: Uuid,
+    state: VmState,
+    image: String,
+    cpus: u8,
+    memory_mb: u32,
+    disable_internet: bool,
+    idle_timeout_secs: Option<u32>,
+    metadata: BTreeMap<String, String>,
+    created_at: String,
+    snapshot_id: Option<Uuid>,
+    parent_vm_id: Option<Uuid>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure_reason: Option<String>,
+    worker_pid: Option<u32>,
+}
+
+impl From<Sandbox> for VmView {
+    fn from(s: Sandbox) -> Self {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(s.created_ms);
+        Self {
+            vm_id: s.id,
+            state: s.state,
+            image: s.image,
+            cpus: s.cpus,
+            memory_mb: s.memory_mb,
+            disable_internet: s.disable_internet,
+            idle_timeout_secs: s.idle_timeout_secs,
+            metadata: s.metadata,
+            created_at: humantime::format_rfc3339_millis(at).to_string(),
+            snapshot_id: s.snapshot_id,
+            parent_vm_id: s.parent_vm_id,
+            failure_reason: s.failure_reason,
+            worker_pid: s.pid,
+        }
+    }
+}
+
+async fn schedule(
+    State(app): AppState,
+    ApiJson(req): ApiJson<ScheduleReq>,
+) -> Result<(StatusCode, Json<VmView>), ApiError> {
+    let image = req.image.unwrap_or_else(|| "default".into());
+    let cpus = range("cpus", req.cpus.unwrap_or(2), 1, 4)? as u8;
+    let memory_mb = range("memoryMb", req.memory_mb.unwrap_or(1024), 128, 8192)? as u32;
+    let idle = req
+        .idle_timeout_secs
+        .map(|v| range("idleTimeoutSecs", v, 1, MAX_IDLE_TIMEOUT))
+        .transpose()?
+        .map(|v| v as u32);
+    let env = req.env.unwrap_or_default();
+    check_env("env", &env)?;
+    let metadata = req.metadata.unwrap_or_default();
+    check_metadata(&metadata)?;
+    let Some(img) = app.images.iter().find(|i| i.name == image).cloned() else {
+        let known: Vec<&str> = app.images.iter().map(|i| i.name.as_str()).collect();
+        return Err(ApiError {
+            code: Code::UnknownImage,
+            message: format!(
+                "No image {image:?} is built here (images: {})",
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            ),
+            field: Some("image"),
+        });
+    };
+    if image != TEST_GUEST_IMAGE && !app.host.linux_guests {
+        return Err(ApiError::new(
+            Code::HostUnsupported,
+            format!(
+                "This host cannot run Linux guests: {} (see /v1/info)",
+                app.host.reason.as_deref().unwrap_or("unknown")
+            ),
+        ));
+    }
+    let t = std::time::Instant::now();
+    let s = Sandbox {
+        id: Uuid::new_v4(),
+        state: VmState::Starting,
+        image,
+        cpus,
+        memory_mb,
+        disable_internet: req.disable_internet.unwrap_or(false),
+        idle_timeout_secs: idle,
+        env,
+        metadata,
+        worker_socket: None,
+        vsock_socket: None,
+        pid: None,
+        created_ms: now_ms(),
+        parent_vm_id: None,
+        snapshot_id: None,
+        failure_reason: None,
+    };
+    let row = s.clone();
+    app.db(move |r| r.insert_sandbox(&row)).await?;
+    tracing::info!(vm = %s.id, image = %s.image, "scheduling");
+    // The boot goes on whatever happens to this request.
+    let task = tokio::spawn(start(app.clone(), s.clone(), img.path));
+    let started = task
+        .await
+        .map_err(|e| ApiError::internal(format!("the boot task failed: {e}")))?;
+    app.metrics.create.observe(t.elapsed());
+    let id = s.id;
+    if let Err(e) = started {
+        let (code, why) = match &e {
+            BootError::Unsupported(m) => (Code::HostUnsupported, m.clone()),
+            BootError::Failed(m) => (Code::BootFailed, m.clone()),
+        };
+        let reason = why.clone();
+        app.db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))
+            .await?;
+        tracing::warn!(vm = %id, "failed to start: {why}");
+        return Err(ApiError::new(
+            code,
+            format!("Sandbox {id} failed to start: {why}"),
+        ));
+    }
+    let s = app.sandbox(&id.to_string()).await?;
+    Ok((StatusCode::CREATED, Json(s.into())))
+}
+
+/// Boots `s`'s worker and waits for its agent; records each step.
+async fn start(app: Arc<App>, s: Sandbox, image: std::path::PathBuf) -> Result<(), BootError> {
+    let id = s.id;
+    let a = app.clone();
+    let row = s.clone();
+    let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&image)))
+        .await
+        .map_err(|e| BootError::Failed(format!("the boot task failed: {e}")))??;
+    let sock = booted.worker.socket.clone();
+    let pid = booted.worker.pid();
+    let vsock = booted.vsock.clone();
+    lock(&app.children).insert(id, booted.worker);
+    let record = {
+        let (sock, vsock) = (sock.clone(), vsock.clone());
+        app.db(move |r| r.set_worker(id, &sock, vsock.as_deref(), pid))
+            .await
+    };
+    if let Err(e) = record {
+        return Err(BootError::Failed(e.message));
+    }
+    tracing::info!(vm = %id, pid, "worker up, VM booting");
+    if booted.guest == sprout_worker::protocol::GuestKind::Linux {
+        let mut s = s.clone();
+        s.vsock_socket = vsock;
+        let agent = app
+            .agent(&s)
+            .ok_or_else(|| BootError::Failed("The VM has no vsock device".into()))?;
+        let took = app.supervisor.wait_agent(&agent, id, &sock).await;
+        match took {
+            Ok(t) => tracing::info!(vm = %id, "agent ready after {} ms", t.as_millis()),
+            Err(e) => {
+                stop_quietly(&app, id).await;
+                return Err(e);
+            }
+        }
+    }
+    app.db(move |r| r.set_state(id, VmState::Running, None))
+        .await
+        .map_err(|e| BootError::Failed(e.message))?;
+    Ok(())
+}
+
+/// Stops a sandbox's worker after a failed start (its record stays, failed).
+async fn stop_quietly(app: &Arc<App>, id: Uuid) {
+    let child = lock(&app.children).remove(&id);
+    lock(&app.agents).remove(&id);
+    let Ok(Some(s)) = app.db(move |r| r.get_sandbox(id)).await.map(Some) else {
+        return;
+    };
+    let Some(s) = s else { return };
+    let a = app.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Err(e) = a.supervisor.stop(&s, child) {
+            tracing::warn!(vm = %s.id, "{e}");
+        }
+    })
+    .await;
+}
+
+#[derive(Serialize)]
+struct VmList {
+    vms: Vec<VmView>,
+}
+
+async fn list(
+    State(app): AppState,
+    query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<VmList>, ApiError> {
+    let Query(pairs) =
+        query.map_err(|e| ApiError::new(Code::BadRequest, format!("Bad query string: {e}")))?;
+    let mut want = Vec::new();
+    for (k, v) in pairs {
+        match k.strip_prefix("metadata.") {
+            Some(key) if !key.is_empty() => want.push((key.to_owned(), v)),
+            _ => {
+                return Err(ApiError::new(
+                    Code::BadRequest,
+                    format!("Unknown query parameter {k:?} (filter with metadata.KEY=VALUE)"),
+                ))
+            }
+        }
+    }
+    let all = app.db(|r| r.list_sandboxes()).await?;
+    let vms: Vec<VmView> = all
+        .into_iter()
+        .filter(|s| {
+            want.iter()
+                .all(|(k, v)| s.metadata.get(k).is_some_and(|x| x == v))
+        })
+        .map(VmView::from)
+        .collect();
+    Ok(Json(VmList { vms }))
+}
+
+async fn get_vm(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmView>, ApiError> {
+    Ok(Json(app.sandbox(&id).await?.into()))
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Deleted {
+    vm_id: Uuid,
+    deleted: bool,
+}
+
+async fn delete_vm(
+    State(app): AppState,
+    Path(id): Path<String>,
+) -> Result<Json<Deleted>, ApiError> {
+    let s = app.sandbox(&id).await?;
+    let vm = s.id;
+    if s.state == VmState::Starting {
+        return Err(ApiError::new(
+            Code::InvalidState,
+            format!("Sandbox {vm} is starting: delete it once it runs or fails"),
+        ));
+    }
+    app.db(move |r| r.set_state(vm, VmState::Stopping, None))
+        .await?;
+    let child = lock(&app.children).remove(&vm);
+    lock(&app.agents).remove(&vm);
+    let a = app.clone();
+    let stopped = tokio::task::spawn_blocking(move || a.supervisor.stop(&s, child))
+        .await
+        .map_err(|e| ApiError::internal(format!("the stop task failed: {e}")))?;
+    if let Err(why) = stopped {
+        let reason = why.clone();
+        app.db(move |r| r.set_state(vm, VmState::Failed, Some(&reason)))
+            .await?;
+        return Err(ApiError::new(
+            Code::WorkerFailed,
+            format!("Cannot delete {vm}: {why}"),
+        ));
+    }
+    app.db(move |r| r.delete_sandbox(vm)).await?;
+    tracing::info!(vm = %vm, "deleted");
+    Ok(Json(Deleted {
+        vm_id: vm,
+        deleted: true,
+    }))
+}

@@ -1,0 +1,725 @@
+//! sproutd's REST API on this host, through a real HTTP client against a
+//! real `sproutd` process on a free loopback port with a temporary data
+//! directory: everything that needs no Linux guest. Sandboxes here run
+//! Sprout's test guest (image `testguest`), which runs on any KVM host; the
+//! Linux path is tested in the lab (tests/tests/lab_sproutd.rs).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::{Client, Response, StatusCode};
+use serde_json::{json, Value};
+
+/// A running sproutd.
+struct Daemon {
+    child: Child,
+    base: String,
+    data_dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(data_dir: &Path) -> Daemon {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(data_dir.with_extension("log"))
+            .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+            .args(["--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start sproutd");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let addr = line
+            .trim()
+            .strip_prefix("sproutd listening on ")
+            .unwrap_or_else(|| panic!("sproutd said {line:?}; log: {}", Self::log(data_dir)))
+            .to_owned();
+        Daemon {
+            child,
+            base: addr,
+            data_dir: data_dir.to_owned(),
+        }
+    }
+
+    fn log(data_dir: &Path) -> String {
+        std::fs::read_to_string(data_dir.with_extension("log")).unwrap_or_default()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// SIGTERM (a graceful stop), waited for.
+    fn stop(mut self) {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let st = self.child.wait().unwrap();
+        assert!(st.success(), "sproutd exited {st}");
+    }
+
+    /// SIGKILL, waited for.
+    fn kill9(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn data_dir() -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let d = t.path().join("data");
+    (t, d)
+}
+
+/// Checks that `r` is the error envelope with `status` and `code`, and has
+/// a request id; its message.
+async fn assert_error(r: Response, status: StatusCode, code: &str) -> String {
+    let got = r.status();
+    assert!(
+        r.headers().contains_key("x-request-id"),
+        "no request id: {r:?}"
+    );
+    let ct = r.headers()["content-type"].to_str().unwrap().to_owned();
+    let body = r.text().await.unwrap();
+    assert_eq!(got, status, "{body}");
+    assert!(ct.starts_with("application/json"), "{ct}: {body}");
+    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+    assert_eq!(v["error"]["code"], code, "{body}");
+    let msg = v["error"]["message"]
+        .as_str()
+        .expect("a message")
+        .to_owned();
+    assert!(!msg.is_empty(), "{body}");
+    msg
+}
+
+async fn post(c: &Client, d: &Daemon, path: &str, body: Value) -> Response {
+    c.post(d.url(path)).json(&body).send().await.unwrap()
+}
+
+async fn raw_post(c: &Client, d: &Daemon, path: &str, body: &'static str) -> Response {
+    c.post(d.url(path))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn health_and_info_answer_and_every_answer_has_a_request_id() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let r = c.get(d.url("/v1/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert_eq!(id.len(), 36, "a UUID: {id}");
+    assert_eq!(r.json::<Value>().await.unwrap(), json!({"status": "ok"}));
+    // Taken from the request when given, on success and on error alike.
+    for path in ["/v1/health", "/v1/nothing-here"] {
+        let r = c
+            .get(d.url(path))
+            .header("x-request-id", "trace-me-42")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.headers()["x-request-id"], "trace-me-42", "{path}");
+    }
+    let r = c.get(d.url("/v1/health")).send().await.unwrap();
+    assert_ne!(r.headers()["x-request-id"].to_str().unwrap(), id);
+
+    let info: Value = c
+        .get(d.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["version"], env!("CARGO_PKG_VERSION"));
+    let linux = info["hostMode"]["linuxGuests"].as_bool().expect("a bool");
+    if !linux {
+        let why = info["hostMode"]["reason"].as_str().unwrap();
+        assert!(why.contains("cannot run Linux guests"), "{why}");
+    }
+    let images: Vec<&str> = info["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["name"].as_str().unwrap())
+        .collect();
+    assert!(images.contains(&"testguest"), "{info}");
+    assert!(!images.contains(&"scratch"), "{info}");
+    assert_eq!(info["dataDir"], dir.display().to_string());
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_get_the_envelope() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    for path in ["/", "/v1", "/v1/runtime", "/v1/runtime/vm", "/v2/health"] {
+        let r = c.get(d.url(path)).send().await.unwrap();
+        assert_error(r, StatusCode::NOT_FOUND, "not_found").await;
+    }
+    let r = c.put(d.url("/v1/health")).send().await.unwrap();
+    let allow = r.headers()["allow"].to_str().unwrap().to_owned();
+    assert!(allow.contains("GET"), "{allow}");
+    assert_error(r, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
+    let r = c.get(d.url("/v1/runtime/schedule")).send().await.unwrap();
+    assert_error(r, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
+    let r = c
+        .patch(d.url("/v1/runtime/vms/00000000-0000-0000-0000-000000000000"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed").await;
+}
+
+#[tokio::test]
+async fn bad_bodies_get_the_envelope_with_a_4xx_never_a_500() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let exec = "/v1/runtime/vms/00000000-0000-0000-0000-000000000000/exec";
+    for path in ["/v1/runtime/schedule", exec] {
+        for body in [
+            "{",
+            "nope",
+            "{,}",
+            "\u{feff}{}",
+            "{'a':1}",
+            "\"unterminated",
+        ] {
+            let r = raw_post(&c, &d, path, body).await;
+            assert_error(r, StatusCode::BAD_REQUEST, "invalid_json").await;
+        }
+        // Deep nesting is refused by the parser, not by a stack overflow.
+        let deep: &'static str =
+            Box::leak(format!("{}{}", "[".repeat(10_000), "]".repeat(10_000)).into_boxed_str());
+        let r = raw_post(&c, &d, path, deep).await;
+        assert_eq!(r.status(), 400);
+        let v: Value = r.json().await.unwrap();
+        let code = v["error"]["code"].as_str().unwrap();
+        assert!(["invalid_json", "invalid_body"].contains(&code), "{v}");
+        // Not an object, wrong types, unknown fields.
+        for body in [
+            "[]",
+            "null",
+            "42",
+            r#"{"cpus":"two"}"#,
+            r#"{"cpus":2.5}"#,
+            r#"{"image":7}"#,
+            r#"{"metadata":{"a":1}}"#,
+            r#"{"env":["A=1"]}"#,
+            r#"{"disableInternet":"yes"}"#,
+            r#"{"cpu":2}"#,
+            r#"{"command":"ls","argv":"-l"}"#,
+            r#"{"command":"ls","timeoutMs":"soon"}"#,
+            r#"{"command":"ls","shell":true}"#,
+        ] {
+            let r = raw_post(&c, &d, path, body).await;
+            let m = assert_error(r, StatusCode::BAD_REQUEST, "invalid_body").await;
+            assert!(!m.contains("panicked"), "{m}");
+        }
+        // Not JSON at all.
+        let r = c
+            .post(d.url(path))
+            .header("content-type", "text/plain")
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        assert_error(
+            r,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+        )
+        .await;
+        // Over the 1 MiB limit, with and without a length announced.
+        let big = vec![b' '; 2 << 20];
+        let r = c
+            .post(d.url(path))
+            .header("content-type", "application/json")
+            .body(big.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_error(r, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large").await;
+        let (status, body) = chunked_post(&d, path, 2 << 20);
+        assert_eq!(status, 413, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "payload_too_large", "{body}");
+    }
+    // Still serving.
+    let r = c.get(d.url("/v1/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// POSTs `n` bytes of JSON whitespace in chunks (no Content-Length) over a
+/// plain connection; the answer's status and body.
+fn chunked_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
+    use std::io::{Read, Write};
+    let addr = d.base.strip_prefix("http://").unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let chunk = vec![b' '; 64 * 1024];
+    let mut sent = 0;
+    while sent < n {
+        // The server may answer (and close) before it has read it all.
+        if write!(s, "{:x}\r\n", chunk.len()).is_err()
+            || s.write_all(&chunk).is_err()
+            || s.write_all(b"\r\n").is_err()
+        {
+            break;
+        }
+        sent += chunk.len();
+    }
+    let _ = s.write_all(b"0\r\n\r\n");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no answer: {text:?}"));
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("x-request-id"), "{head}");
+    // The rest of the body is not read: the connection is not reused.
+    if status == 413 {
+        assert!(head.contains("connection: close"), "{head}");
+    }
+    (status, body.to_owned())
+}
+
+#[tokio::test]
+async fn values_out_of_range_are_400_naming_the_field() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let many: serde_json::Map<String, Value> =
+        (0..65).map(|i| (format!("k{i}"), json!("v"))).collect();
+    for (body, field) in [
+        (json!({"cpus": 0}), "cpus"),
+        (json!({"cpus": 5}), "cpus"),
+        (json!({"cpus": -1}), "cpus"),
+        (json!({"memoryMb": 127}), "memoryMb"),
+        (json!({"memoryMb": 8193}), "memoryMb"),
+        (json!({"idleTimeoutSecs": 0}), "idleTimeoutSecs"),
+        (json!({"env": {"A=B": "1"}}), "env"),
+        (json!({"env": {"": "1"}}), "env"),
+        (json!({"metadata": many}), "metadata"),
+        (json!({"metadata": {"k": "v".repeat(1025)}}), "metadata"),
+    ] {
+        let r = post(&c, &d, "/v1/runtime/schedule", body.clone()).await;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 400, "{body}: {v}");
+        assert_eq!(v["error"]["code"], "invalid_value", "{body}: {v}");
+        assert_eq!(v["error"]["field"], field, "{body}: {v}");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains(field), "{m}");
+    }
+    let r = post(&c, &d, "/v1/runtime/schedule", json!({"image": "no-such"})).await;
+    let m = assert_error(r, StatusCode::BAD_REQUEST, "unknown_image").await;
+    assert!(m.contains("testguest"), "lists the images: {m}");
+    // Nothing was created by any of them.
+    let v: Value = c
+        .get(d.url("/v1/runtime/vms"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v, json!({"vms": []}));
+}
+
+#[tokio::test]
+async fn a_linux_sandbox_on_a_host_that_cannot_run_linux_is_503() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let info: Value = c
+        .get(d.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let has_default = info["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|i| i["name"] == "default");
+    if info["hostMode"]["linuxGuests"] == true || !has_default {
+        eprintln!("this host runs Linux guests or has no default image: nothing to test");
+        return;
+    }
+    let r = post(&c, &d, "/v1/runtime/schedule", json!({})).await;
+    let m = assert_error(r, StatusCode::SERVICE_UNAVAILABLE, "host_unsupported").await;
+    assert!(m.contains("cannot run Linux guests"), "{m}");
+    let v: Value = c
+        .get(d.url("/v1/runtime/vms"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v, json!({"vms": []}));
+}
+
+#[tokio::test]
+async fn unknown_ids_are_404_and_bad_queries_400() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    for id in [
+        "6f1c3e2a-8d4b-4c1e-9a7f-0b2d3e4f5a6b",
+        "not-a-uuid",
+        "1234",
+        "%00",
+    ] {
+        let url = d.url(&format!("/v1/runtime/vms/{id}"));
+        let r = c.get(&url).send().await.unwrap();
+        assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        let r = c.delete(&url).send().await.unwrap();
+        assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        let r = c
+            .post(format!("{url}/exec"))
+            .json(&json!({"command": "true"}))
+            .send()
+            .await
+            .unwrap();
+        assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        for r in [
+            c.get(format!("{url}/files?path=x")).send().await.unwrap(),
+            c.delete(format!("{url}/files?path=x"))
+                .send()
+                .await
+                .unwrap(),
+            c.get(format!("{url}/files/content?path=x"))
+                .send()
+                .await
+                .unwrap(),
+            c.put(format!("{url}/files/content?path=x"))
+                .body("text")
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/files/mkdir"))
+                .json(&json!({"path": "d"}))
+                .send()
+                .await
+                .unwrap(),
+            c.get(format!("{url}/processes")).send().await.unwrap(),
+            c.get(format!("{url}/processes/1/events"))
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/processes/1/stdin"))
+                .json(&json!({"data": "x"}))
+                .send()
+                .await
+                .unwrap(),
+            c.post(format!("{url}/processes/1/signal"))
+                .json(&json!({"signal": "TERM"}))
+                .send()
+                .await
+                .unwrap(),
+        ] {
+            assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        }
+    }
+    for q in ["?foo=bar", "?metadata.=x", "?metadata"] {
+        let r = c
+            .get(d.url(&format!("/v1/runtime/vms{q}")))
+            .send()
+            .await
+            .unwrap();
+        assert_error(r, StatusCode::BAD_REQUEST, "bad_request").await;
+    }
+}
+
+async fn vms(c: &Client, d: &Daemon, query: &str) -> Vec<Value> {
+    let v: Value = c
+        .get(d.url(&format!("/v1/runtime/vms{query}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["vms"].as_array().unwrap().clone()
+}
+
+fn alive(pid: u64) -> bool {
+    // A zombie (an exited child not yet reaped) is not alive.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
+#[tokio::test]
+async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start(&dir);
+    let mut ids = Vec::new();
+    let mut pids = Vec::new();
+    for team in ["red", "blue"] {
+        let r = post(
+            &c,
+            &d,
+            "/v1/runtime/schedule",
+            json!({"image": "testguest", "cpus": 1, "memoryMb": 128, "idleTimeoutSecs": 60,
+                   "disableInternet": true, "metadata": {"team": team}, "env": {"A": "1"}}),
+        )
+        .await;
+        let status = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 201, "{v}\n{}", Daemon::log(&dir));
+        assert_eq!(v["state"], "running", "{v}");
+        assert_eq!(v["image"], "testguest");
+        assert_eq!(
+            (v["cpus"].clone(), v["memoryMb"].clone()),
+            (json!(1), json!(128))
+        );
+        assert_eq!(v["idleTimeoutSecs"], 60);
+        assert_eq!(v["disableInternet"], true);
+        assert_eq!(v["metadata"], json!({"team": team}));
+        assert!(v["createdAt"].as_str().unwrap().ends_with('Z'), "{v}");
+        assert!(v.get("env").is_none(), "env values are not shown: {v}");
+        let pid = v["workerPid"].as_u64().unwrap();
+        assert!(alive(pid));
+        ids.push(v["vmId"].as_str().unwrap().to_owned());
+        pids.push(pid);
+    }
+    assert_ne!(ids[0], ids[1]);
+    // The test guest has no agent.
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{}/exec", ids[0]),
+        json!({"command": "true"}),
+    )
+    .await;
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let procs = d.url(&format!("/v1/runtime/vms/{}/processes", ids[0]));
+    let r = c.get(&procs).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let files = d.url(&format!("/v1/runtime/vms/{}/files", ids[0]));
+    let r = c.get(format!("{files}?path=.")).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    // Bad file requests are refused before any agent is asked.
+    let r = c.get(&files).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "bad_request").await;
+    let r = c.get(format!("{files}?path=")).send().await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "invalid_path").await;
+    let r = c
+        .put(format!("{files}/content?path=a"))
+        .body(vec![0xffu8, 0xfe])
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_text").await;
+    // Bad process requests are refused before any agent is asked.
+    for (path, body, code) in [
+        ("/x/signal", json!({"signal": "TERM"}), "process_not_found"),
+        ("/1/signal", json!({"signal": "SIGFOO"}), "invalid_value"),
+        ("/1/signal", json!({"signal": 99}), "invalid_value"),
+        ("/1/signal", json!({"sig": 9}), "invalid_body"),
+        (
+            "/1/stdin",
+            json!({"data": "%%", "base64": true}),
+            "invalid_value",
+        ),
+        ("/1/stdin", json!({"data": 1}), "invalid_body"),
+    ] {
+        let r = post(
+            &c,
+            &d,
+            &format!("/v1/runtime/vms/{}/processes{path}", ids[0]),
+            body,
+        )
+        .await;
+        let st = if code == "process_not_found" {
+            StatusCode::NOT_FOUND
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        assert_error(r, st, code).await;
+    }
+    // Filters.
+    let red = vms(&c, &d, "?metadata.team=red").await;
+    assert_eq!(red.len(), 1);
+    assert_eq!(red[0]["vmId"], ids[0].as_str());
+    assert!(vms(&c, &d, "?metadata.team=green").await.is_empty());
+    assert!(vms(&c, &d, "?metadata.team=red&metadata.other=x")
+        .await
+        .is_empty());
+    assert_eq!(vms(&c, &d, "").await.len(), 2);
+
+    // A graceful stop leaves the workers running; the next sproutd adopts them.
+    d.stop();
+    assert!(pids.iter().all(|&p| alive(p)), "workers outlive sproutd");
+    let d = Daemon::start(&dir);
+    let all = vms(&c, &d, "").await;
+    assert_eq!(all.len(), 2, "{all:?}");
+    for (v, (id, pid)) in all.iter().zip(ids.iter().zip(&pids)) {
+        assert_eq!(v["vmId"], id.as_str());
+        assert_eq!(v["state"], "running", "{v}");
+        assert_eq!(v["workerPid"], *pid);
+    }
+    // kill -9 of sproutd loses nothing either; kill -9 of one worker makes
+    // that sandbox failed, the other untouched.
+    d.kill9();
+    Command::new("kill")
+        .args(["-KILL", &pids[1].to_string()])
+        .status()
+        .unwrap();
+    let t = Instant::now();
+    while alive(pids[1]) {
+        assert!(t.elapsed() < Duration::from_secs(10), "worker did not die");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let d = Daemon::start(&dir);
+    let get = |id: &str| c.get(d.url(&format!("/v1/runtime/vms/{id}"))).send();
+    let a: Value = get(&ids[0]).await.unwrap().json().await.unwrap();
+    assert_eq!(a["state"], "running", "{a}");
+    let b: Value = get(&ids[1]).await.unwrap().json().await.unwrap();
+    assert_eq!(b["state"], "failed", "{b}");
+    let why = b["failureReason"].as_str().unwrap();
+    assert!(why.contains("gone"), "{why}");
+    // A failed sandbox cannot exec; both can be deleted.
+    for id in &ids {
+        let r = c
+            .delete(d.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v, json!({"vmId": id, "deleted": true}));
+        let r = get(id).await.unwrap();
+        assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+        assert!(!dir.join("vms").join(id).exists());
+    }
+    let t = Instant::now();
+    while alive(pids[0]) {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "deleted worker lives on"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(vms(&c, &d, "").await.is_empty());
+    // Deletes are durable too.
+    d.stop();
+    let d = Daemon::start(&dir);
+    assert!(vms(&c, &d, "").await.is_empty());
+    // One sproutd per data directory.
+    let second = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&d.data_dir)
+        .output()
+        .unwrap();
+    assert!(!second.status.success());
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(err.contains("Another sproutd"), "{err}");
+}
+
+#[tokio::test]
+async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let r = post(
+        &c,
+        &d,
+        "/v1/runtime/schedule",
+        json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let id = r.json::<Value>().await.unwrap()["vmId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for _ in 0..3 {
+        let r = c
+            .get(d.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    c.get(d.url("/no/such/route")).send().await.unwrap();
+    let r = c.get(d.url("/metrics")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    let text = r.text().await.unwrap();
+    for line in [
+        "sproutd_sandboxes{state=\"running\"} 1",
+        "sproutd_sandboxes{state=\"failed\"} 0",
+        "sproutd_create_seconds_count 1",
+        "sproutd_exec_seconds_count 0",
+        "sproutd_http_requests_total{route=\"/v1/runtime/schedule\",method=\"POST\",status=\"201\"} 1",
+        // By route template: one series for every id.
+        "sproutd_http_requests_total{route=\"/v1/runtime/vms/{id}\",method=\"GET\",status=\"200\"} 3",
+        "sproutd_http_requests_total{route=\"unmatched\",method=\"GET\",status=\"404\"} 1",
+    ] {
+        assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+    }
+    assert!(!text.contains(&id), "no series per sandbox id");
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{id}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = c
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "sproutd_sandboxes{state=\"running\"} 0"),
+        "{text}"
+    );
+}

@@ -1,0 +1,387 @@
+//! sproutd with a real Linux guest, in the emulated hardware-virtualization
+//! lab (see `sprout_tests::lab`): `sprout daemon` runs there, and the script
+//! drives it with `sprout api` (the lab has no curl). Host-side API tests
+//! that need no Linux guest are in service/tests/api.rs.
+
+use serde_json::Value;
+use sprout_tests::lab;
+
+const SCRIPT: &str = r#"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+start_daemon() {
+  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
+  daemon=$!
+  i=0
+  until sprout api GET /v1/health >/dev/null 2>&1; do
+    i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
+    sleep 0.1
+  done
+}
+api() { sprout api "$@" 2>/dev/null; }
+start_daemon
+echo "info: $(api GET /v1/info)"
+out=$(api POST /v1/runtime/schedule '{"cpus":1,"memoryMb":256,"metadata":{"test":"lab"}}') ||
+  { echo "schedule failed: $out"; cat /tmp/sd.log; exit 11; }
+echo "scheduled: $out"
+id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+[ -n "$id" ] || exit 12
+x="/v1/runtime/vms/$id/exec"
+echo "python: $(api POST $x '{"command":"python3","argv":["-c","print(2**100)"]}')"
+echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; echo oops >&2; exit 3"],"env":{"X":"from-env"},"stdin":"fed"}')"
+echo "binary: $(api POST $x '{"command":"printf","argv":["\\377"]}')"
+echo "timeout: $(api POST $x '{"command":"sleep","argv":["60"],"timeoutMs":1000}')"
+echo "list: $(api GET '/v1/runtime/vms?metadata.test=lab')"
+# Streamed: the first stdout event arrives while the process still runs. It
+# waits for /tmp/go, which another exec makes only once "first" was seen.
+sprout api --accept text/event-stream POST $x \
+  '{"command":"/bin/sh","argv":["-c","echo first; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo second; exit 7"]}' \
+  >/tmp/sse.txt 2>/dev/null &
+sse=$!
+i=0
+while ! grep -q first /tmp/sse.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+echo "stream-seen: first=$(grep -c first /tmp/sse.txt) second=$(grep -c second /tmp/sse.txt)"
+api POST $x '{"command":"touch","argv":["/tmp/go"]}' >/dev/null
+wait $sse
+echo "stream-status: $?"
+sed 's/^/sse: /' /tmp/sse.txt
+# Background: a process that outlives the stream it was watched on, replays
+# from Last-Event-ID, takes stdin, and is signalled (its whole group).
+bg=$(api POST $x '{"command":"/bin/sh","argv":["-c","for i in 1 2 3; do echo line$i; done; read l; echo got:$l; sleep 1000 & wait"],"background":true,"stdinOpen":true}')
+echo "bg: $bg"
+eid=$(echo "$bg" | sed -n 's/.*"execId":\([0-9]*\).*/\1/p')
+p="/v1/runtime/vms/$id/processes/$eid"
+sprout api --accept text/event-stream GET $p/events >/tmp/a1.txt 2>/dev/null &
+a1=$!
+i=0
+while ! grep -q line3 /tmp/a1.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+kill $a1; wait $a1 2>/dev/null
+sed 's/^/a1: /' /tmp/a1.txt
+echo "procs: $(api GET /v1/runtime/vms/$id/processes)"
+echo "stdin: $(api POST $p/stdin '{"data":"hello\n"}')"
+# Resume after the next-to-last event the first stream saw: the replay
+# starts with the last one (the agent may have put several lines in one).
+last=$(sed -n 's/^id: //p' /tmp/a1.txt | tail -1)
+resume=$((last - 1))
+echo "resume-after: $resume"
+sprout api --accept text/event-stream --header "Last-Event-ID: $resume" GET $p/events >/tmp/a2.txt 2>/dev/null &
+a2=$!
+i=0
+while ! grep -q got:hello /tmp/a2.txt; do i=$((i+1)); [ $i -gt 1200 ] && break; sleep 0.1; done
+count_sleepers='{"command":"/bin/sh","argv":["-c","for p in /proc/[0-9]*; do read -r c < $p/comm 2>/dev/null && [ $c = sleep ] && echo $p; done | wc -l"]}'
+echo "sleepers-before: $(api POST $x "$count_sleepers")"
+echo "signal: $(api POST $p/signal '{"signal":"TERM"}')"
+wait $a2
+sed 's/^/a2: /' /tmp/a2.txt
+echo "procs-after: $(api GET /v1/runtime/vms/$id/processes)"
+echo "sleepers: $(api POST $x "$count_sleepers")"
+# Files, under /workspace.
+f="/v1/runtime/vms/$id/files"
+echo "mkdir: $(api POST $f/mkdir '{"path":"d/e","parents":true}')"
+echo "put: $(api PUT "$f/content?path=d/e/hello.txt" 'héllo wörld')"
+echo "get: $(api GET "$f/content?path=d/e/hello.txt")"
+echo "ls: $(api GET "$f?path=d/e")"
+head -c 1048576 /dev/zero | tr '\0' a > /tmp/1m
+echo "put-1m: $(api PUT "$f/content?path=one.txt" --data-file /tmp/1m)"
+echo b >> /tmp/1m
+echo "put-1m1: $(api PUT "$f/content?path=two.txt" --data-file /tmp/1m)"
+api POST $x '{"command":"/bin/sh","argv":["-c","head -c 1100000 /dev/zero | tr \"\\\\0\" b > /workspace/big.txt"]}' >/dev/null
+echo "cut-header: $(api -i GET "$f/content?path=big.txt" | head -c 400 | grep -ci '^x-truncated: true')"
+echo "cut-bytes: $(api GET "$f/content?path=big.txt" | wc -c)"
+for bad in ../x ../../etc/passwd /etc/passwd d/../../x %2e%2e/x; do
+  echo "escape: $(api GET "$f/content?path=$bad")"
+done
+echo "missing: $(api GET "$f/content?path=nope.txt")"
+# 64 MiB up and down raw, streamed: the same bytes back, and sproutd's
+# peak RSS stays under the file's size.
+head -c 67108864 /dev/urandom > /tmp/64m
+echo "raw-put: $(api PUT "$f/raw?path=big.bin" --data-file /tmp/64m)"
+api GET "$f/raw?path=big.bin" > /tmp/64m.back
+echo "raw-sha: $(sha256sum < /tmp/64m | cut -c1-64) $(head -c 67108864 /tmp/64m.back | sha256sum | cut -c1-64) $(wc -c < /tmp/64m.back)"
+echo "raw-missing: $(api GET "$f/raw?path=nope.bin")"
+echo "hwm-kib: $(awk '/^VmHWM:/ { print $2 }' /proc/$daemon/status)"
+rm -f /tmp/64m /tmp/64m.back
+echo "rm: $(api DELETE "$f?path=d&recursive=true")"
+echo "ls-after: $(api GET "$f?path=.")"
+# A second sandbox, on the busybox image, whose worker is killed: its next
+# exec finds the worker gone and marks it failed; the first one is untouched.
+out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
+  { echo "schedule 2 failed: $out2"; cat /tmp/sd.log; exit 13; }
+echo "second: $out2"
+id2=$(echo "$out2" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+pid2=$(echo "$out2" | sed -n 's/.*"workerPid":\([0-9]*\).*/\1/p')
+kill -9 "$pid2"
+sleep 1
+echo "dead-exec: $(api POST /v1/runtime/vms/$id2/exec '{"command":"true"}')"
+echo "dead: $(api GET /v1/runtime/vms/$id2)"
+echo "delete2: $(api DELETE /v1/runtime/vms/$id2)"
+# kill -9 of sproutd: the next one re-adopts the sandbox, which still runs.
+kill -9 $daemon; wait $daemon 2>/dev/null
+start_daemon
+echo "adopted: $(api GET /v1/runtime/vms/$id)"
+echo "again: $(api POST $x '{"command":"cat","argv":["/proc/sys/kernel/hostname"]}')"
+echo "delete: $(api DELETE /v1/runtime/vms/$id)"
+echo "gone: $(api GET /v1/runtime/vms/$id)"
+echo "left: $(api GET /v1/runtime/vms)"
+ps | grep -c '[s]prout worker' | sed 's/^/workers: /'
+kill $daemon; wait $daemon
+echo "daemon-exit: $?"
+"#;
+
+fn json(out: &lab::LabOutput, prefix: &str) -> Value {
+    let v = out.values(prefix);
+    let line = v
+        .first()
+        .unwrap_or_else(|| panic!("no {prefix} line\n{}", out.stdout));
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{prefix} {line:?}: {e}\n{}", out.stdout))
+}
+
+/// SSE events (name, data, id) from the stream's lines, in order.
+fn sse_events(lines: &[&str]) -> Vec<(String, String, String)> {
+    let mut events = Vec::new();
+    let (mut name, mut data, mut id) = (String::new(), String::new(), String::new());
+    for l in lines.iter().chain([&""]) {
+        if l.is_empty() {
+            if !name.is_empty() || !data.is_empty() {
+                events.push((
+                    std::mem::take(&mut name),
+                    std::mem::take(&mut data),
+                    std::mem::take(&mut id),
+                ));
+            }
+        } else if let Some(v) = l.strip_prefix("event:") {
+            name = v.trim().to_owned();
+        } else if let Some(v) = l.strip_prefix("data:") {
+            data.push_str(v.trim());
+        } else if let Some(v) = l.strip_prefix("id:") {
+            id = v.trim().to_owned();
+        }
+    }
+    events
+}
+
+#[test]
+fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
+    let out = lab::run(SCRIPT);
+    out.assert_success();
+    let o = &out.stdout;
+    let info = json(&out, "info:");
+    assert_eq!(info["hostMode"]["linuxGuests"], true, "{o}");
+    let s = json(&out, "scheduled:");
+    assert_eq!(s["state"], "running", "{o}");
+    assert_eq!(s["image"], "default", "{o}");
+    let id = s["vmId"].as_str().unwrap();
+
+    let py = json(&out, "python:");
+    assert_eq!(py["stdout"], "1267650600228229401496703205376\n", "{o}");
+    assert_eq!(py["exitCode"], 0, "{o}");
+    assert_eq!(py["timedOut"], false, "{o}");
+    assert_eq!(py["stdoutBase64"], false, "{o}");
+
+    let sh = json(&out, "shell:");
+    assert_eq!(sh["stdout"], "from-env\nfed", "{o}");
+    assert_eq!(sh["stderr"], "oops\n", "{o}");
+    assert_eq!(sh["exitCode"], 3, "{o}");
+
+    let bin = json(&out, "binary:");
+    assert_eq!(bin["stdoutBase64"], true, "{o}");
+    assert_eq!(bin["stdout"], "/w==", "{o}");
+
+    let t = json(&out, "timeout:");
+    assert_eq!(t["timedOut"], true, "{o}");
+    assert_eq!(t["signal"], 9, "{o}");
+
+    let list = json(&out, "list:");
+    assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{o}");
+    assert_eq!(list["vms"][0]["vmId"], id, "{o}");
+
+    // The streamed exec: "first" was there before "second" existed.
+    assert_eq!(out.values("stream-seen:"), ["first=1 second=0"], "{o}");
+    assert_eq!(out.values("stream-status:"), ["0"], "{o}");
+    let events = sse_events(&out.values("sse:"));
+    let ids: Vec<u64> = events.iter().map(|e| e.2.parse().unwrap()).collect();
+    assert_eq!(ids, (1..=ids.len() as u64).collect::<Vec<_>>(), "{o}");
+    let stdout: String = events
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            let d: Value = serde_json::from_str(&e.1).unwrap();
+            assert_eq!(d["base64"], false, "{o}");
+            d["data"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(stdout, "first\nsecond\n", "{o}");
+    let last = events.last().unwrap();
+    assert_eq!(last.0, "exit", "{o}");
+    let exit: Value = serde_json::from_str(&last.1).unwrap();
+    assert_eq!(exit["exitCode"], 7, "{o}");
+
+    // Files.
+    assert_eq!(json(&out, "mkdir:")["created"], true, "{o}");
+    assert_eq!(json(&out, "put:")["bytes"], "héllo wörld".len(), "{o}");
+    assert_eq!(out.values("get:"), ["héllo wörld"], "{o}");
+    let ls = json(&out, "ls:");
+    assert_eq!(ls["entries"][0]["name"], "hello.txt", "{o}");
+    assert_eq!(ls["entries"][0]["type"], "file", "{o}");
+    assert_eq!(ls["entries"][0]["size"], "héllo wörld".len(), "{o}");
+    assert_eq!(json(&out, "put-1m:")["bytes"], 1 << 20, "{o}");
+    assert_eq!(
+        json(&out, "put-1m1:")["error"]["code"],
+        "payload_too_large",
+        "{o}"
+    );
+    assert_eq!(out.values("cut-header:"), ["1"], "{o}");
+    // 1 MiB, and the newline sprout api adds.
+    assert_eq!(
+        out.values("cut-bytes:"),
+        [((1 << 20) + 1).to_string()],
+        "{o}"
+    );
+    let escapes = out.values("escape:");
+    assert_eq!(escapes.len(), 5, "{o}");
+    for e in escapes {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert_eq!(v["error"]["code"], "path_escape", "{e}\n{o}");
+    }
+    assert_eq!(
+        json(&out, "missing:")["error"]["code"],
+        "file_not_found",
+        "{o}"
+    );
+    assert_eq!(json(&out, "raw-put:")["bytes"], 64 << 20, "{o}");
+    let sha = out.values("raw-sha:");
+    let sha: Vec<&str> = sha[0].split_whitespace().collect();
+    assert_eq!(sha.len(), 3, "{o}");
+    assert_eq!(sha[0], sha[1], "the download is the upload\n{o}");
+    // 64 MiB and the newline sprout api adds.
+    assert_eq!(sha[2], ((64 << 20) + 1).to_string(), "{o}");
+    assert_eq!(
+        json(&out, "raw-missing:")["error"]["code"],
+        "file_not_found",
+        "{o}"
+    );
+    let hwm: u64 = out.values("hwm-kib:")[0].parse().unwrap();
+    assert!(hwm < 64 * 1024, "sproutd's peak RSS {hwm} KiB\n{o}");
+    assert_eq!(json(&out, "rm:")["deleted"], true, "{o}");
+    let after = json(&out, "ls-after:");
+    let names: Vec<&str> = after["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert!(!names.contains(&"d"), "{names:?}\n{o}");
+    assert!(names.contains(&"one.txt"), "{names:?}\n{o}");
+    assert!(
+        !names.contains(&"two.txt"),
+        "a refused write wrote nothing\n{o}"
+    );
+
+    // Background process.
+    let bg = json(&out, "bg:");
+    let eid = bg["execId"].as_u64().unwrap();
+    assert!(bg["pid"].as_u64().unwrap() > 1, "{o}");
+    let a1 = sse_events(&out.values("a1:"));
+    let a1_out: String = a1
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.1).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(a1_out, "line1\nline2\nline3\n", "{o}");
+    let procs = json(&out, "procs:");
+    let p = procs["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["execId"] == eid)
+        .unwrap_or_else(|| panic!("{eid} not listed\n{o}"));
+    assert_eq!(
+        p["running"], true,
+        "dropping its stream left it running\n{o}"
+    );
+    assert_eq!(p["stdinOpen"], true, "{o}");
+    assert_eq!(json(&out, "stdin:")["bytes"], 6, "{o}");
+    let a2 = sse_events(&out.values("a2:"));
+    // The replay after event `resume` is what the first stream saw after it
+    // (at least its last event), then the live events.
+    let resume: u64 = out.values("resume-after:")[0].parse().unwrap();
+    let replayed: Vec<_> = a1
+        .iter()
+        .filter(|e| e.2.parse::<u64>().unwrap() > resume)
+        .collect();
+    assert!(!replayed.is_empty(), "{o}");
+    assert!(a2.len() > replayed.len(), "{o}");
+    for (x, y) in replayed.iter().zip(&a2) {
+        assert_eq!(*x, y, "{o}");
+    }
+    assert!(
+        a2.iter().all(|e| e.2.parse::<u64>().unwrap() > resume),
+        "{o}"
+    );
+    let a2_out: String = a2
+        .iter()
+        .filter(|e| e.0 == "stdout")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.1).unwrap()["data"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert!(a2_out.ends_with("got:hello\n"), "{o}");
+    let last = a2.last().unwrap();
+    assert_eq!(last.0, "exit", "{o}");
+    let exit: Value = serde_json::from_str(&last.1).unwrap();
+    assert_eq!(exit["signal"], 15, "{o}");
+    assert_eq!(json(&out, "signal:")["signal"], 15, "{o}");
+    let after = json(&out, "procs-after:");
+    let p = after["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["execId"] == eid)
+        .unwrap();
+    assert_eq!(p["running"], false, "{o}");
+    assert_eq!(p["exit"]["signal"], 15, "{o}");
+    // The signal reached the process group: its sleep child, there before
+    // it, is gone too.
+    assert_eq!(json(&out, "sleepers-before:")["stdout"], "1\n", "{o}");
+    assert_eq!(json(&out, "sleepers:")["stdout"], "0\n", "{o}");
+
+    let second = json(&out, "second:");
+    assert_eq!(second["image"], "test", "{o}");
+    assert_eq!(second["state"], "running", "{o}");
+    assert_eq!(
+        json(&out, "dead-exec:")["error"]["code"],
+        "agent_unavailable",
+        "{o}"
+    );
+    let dead = json(&out, "dead:");
+    assert_eq!(dead["state"], "failed", "{o}");
+    assert!(
+        dead["failureReason"].as_str().unwrap().contains("gone"),
+        "{o}"
+    );
+    assert_eq!(json(&out, "delete2:")["deleted"], true, "{o}");
+
+    let adopted = json(&out, "adopted:");
+    assert_eq!(adopted["state"], "running", "{o}");
+    assert_eq!(adopted["workerPid"], s["workerPid"], "{o}");
+    let again = json(&out, "again:");
+    assert_eq!(again["exitCode"], 0, "{o}");
+    assert!(!again["stdout"].as_str().unwrap().trim().is_empty(), "{o}");
+
+    assert_eq!(json(&out, "delete:")["deleted"], true, "{o}");
+    assert_eq!(json(&out, "gone:")["error"]["code"], "vm_not_found", "{o}");
+    assert_eq!(
+        json(&out, "left:")["vms"].as_array().unwrap().len(),
+        0,
+        "{o}"
+    );
+    assert_eq!(out.values("workers:"), ["0"], "{o}");
+    assert_eq!(out.values("daemon-exit:"), ["0"], "{o}");
+}
