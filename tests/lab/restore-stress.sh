@@ -203,6 +203,13 @@ while [ "$it" -le "$ITERATIONS" ]; do
     1) r=errors ;;
     *) r="failed $rc" ;;
   esac
+  if [ "$rc" != 0 ] && [ "$rc" != 124 ]; then
+    # What each VM's sprout said (a VM that ended tells why here).
+    for c in /tmp/*.console; do
+      echo "--- $c (tail)"
+      grep -v '^\[' "$c" | tail -n 8
+    done
+  fi
   echo "result: iteration $it $r $(( $(date +%s) - start )) s"
   [ "$rc" = 0 ] || failed=$((failed + 1))
   stop_all
