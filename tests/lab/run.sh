@@ -93,8 +93,10 @@ timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G 
   -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag lab.printk=$printk" "${disk[@]}" </dev/null >"$console" 2>&1 &
 qemu=$!
 # Keep the monitor's output drained (and kept), and a writer open on its input.
-cat "$tmp/mon.out" >"$tmp/monitor.log" &
-exec 8>"$tmp/mon.in"
+# (Both FIFOs opened read-write: an open never waits for a QEMU that failed to start.)
+cat 0<>"$tmp/mon.out" >"$tmp/monitor.log" &
+monitor_reader=$!
+exec 8<>"$tmp/mon.in"
 froze=0
 last_beats=0
 quiet=0
@@ -126,6 +128,7 @@ done
 wait "$qemu"
 qemu_status=$?
 exec 8>&-
+kill "$monitor_reader" 2>/dev/null
 set -e
 say "outer VM ran ${SECONDS} s (host time)"
 [ -n "$log" ] && [ -f "$tmp/qemu.log" ] && cp "$tmp/qemu.log" "$log.qemu"
