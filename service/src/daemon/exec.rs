@@ -375,14 +375,20 @@ async fn stream(
             }
         }
     });
+    Ok(sse_response(rx))
+}
+
+/// An SSE answer that sends what arrives on `rx`, with keep-alives, until
+/// the sender is dropped.
+pub(super) fn sse_response(rx: tokio::sync::mpsc::Receiver<Event>) -> Response {
     let events = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await
             .map(|ev| (Ok::<_, std::convert::Infallible>(ev), rx))
     });
-    Ok(Sse::new(events)
+    Sse::new(events)
         .keep_alive(KeepAlive::default())
-        .into_response())
+        .into_response()
 }
 
 /// The answer to a failed exec. When the agent could not be reached, the

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use base64::Engine as _;
@@ -19,7 +19,7 @@ use guest_agent::protocol::{ErrorCode as AgentCode, Exec, StdinMode, StreamKind}
 use serde::{Deserialize, Serialize};
 
 use super::error::{ApiError, Code};
-use super::exec::{agent_for, failure};
+use super::exec::{agent_for, failure, sse_response};
 use super::routes::ApiJson;
 use super::App;
 
@@ -289,14 +289,7 @@ pub async fn events(
             }
         }
     });
-    let events = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|ev| (Ok::<_, std::convert::Infallible>(ev), rx))
-    });
-    Ok(Sse::new(events)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    Ok(sse_response(rx))
 }
 
 #[derive(Deserialize)]
