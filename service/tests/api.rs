@@ -27,7 +27,7 @@ impl Daemon {
             .open(data_dir.with_extension("log"))
             .unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-            .args(["--listen", "127.0.0.1:0", "--data-dir"])
+            .args(["--no-lab", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .stdout(Stdio::piped())
             .stderr(log)
@@ -648,7 +648,7 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     assert!(vms(&c, &d, "").await.is_empty());
     // One sproutd per data directory.
     let second = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .args(["--no-lab", "--listen", "127.0.0.1:0", "--data-dir"])
         .arg(&d.data_dir)
         .output()
         .unwrap();

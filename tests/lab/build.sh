@@ -51,19 +51,23 @@ start=$(date +%s)
 # --- 1. The outer kernel: Debian's cloud kernel and its modules -------------
 meta=linux-image-cloud-amd64
 pkg=$(apt-cache depends "$meta" 2>/dev/null | awk '/Depends: linux-image-/ && !n++ { print $2 }')
+# Modules the lab loads (KVM; virtio-blk over PCI for the images and data
+# disks; virtio-net for sproutd's port when it is served from the lab, see
+# service/src/daemon/lab.rs); their load order comes from the modules' own
+# depends= lists. The set is part of the outer kernel's cache key.
+modules="kvm-amd kvm irqbypass virtio_blk virtio virtio_ring virtio_pci virtio_pci_legacy_dev virtio_pci_modern_dev virtio_net net_failover failover"
+mkey=$(echo "$modules" | sha | cut -c1-8)
 if [ -n "$pkg" ]; then
   ver=$(apt-cache show --no-all-versions "$pkg" | awk '/^Version:/ && !n++ { print $2 }')
-  outer=$cache/lab-outer-${pkg}_$ver
+  outer=$cache/lab-outer-${pkg}_${ver}-$mkey
 else
-  # No package lists (no apt-get update yet): an outer kernel fetched before will do.
-  outer=$(ls -dt "$cache"/lab-outer-linux-image-* 2>/dev/null | sed -n 1p)
+  # No package lists (no apt-get update yet): an outer kernel fetched before
+  # with the same modules will do.
+  outer=$(ls -dt "$cache"/lab-outer-linux-image-*-"$mkey" 2>/dev/null | sed -n 1p)
   [ -n "$outer" ] && [ -f "$outer/vmlinuz" ] || die "apt-cache knows no $meta: run apt-get update"
   pkg=$(basename "$outer")
   ver=cached
 fi
-# Modules the lab loads (KVM, and virtio-blk over PCI for the images disk);
-# their load order comes from the modules' own depends= lists.
-modules="kvm-amd kvm irqbypass virtio_blk virtio virtio_ring virtio_pci virtio_pci_legacy_dev virtio_pci_modern_dev"
 if [ ! -f "$outer/vmlinuz" ]; then
   say "fetching $pkg $ver"
   tmp=$(mktemp -d "$cache/lab-outer-tmp.XXXXXX")
@@ -182,13 +186,17 @@ for n in "${images[@]}"; do
 done
 kib=$(du -sk --apparent-size "$tmp/images" | cut -f1)
 mkfs.ext4 -q -F -L sprout-images -O ^has_journal -m 0 -E root_owner=0:0 -d "$tmp/images" \
-  "$tmp/images.ext4" "$((kib + kib / 50 + 65536))k" || die "mkfs.ext4 failed for the images disk"
+  "$tmp/images.ext4" "$((kib + kib / 50 + 65536))k" >&2 || die "mkfs.ext4 failed for the images disk"
 rm -rf "$tmp/images" "$ird"
 cp "$outer/vmlinuz" "$tmp/vmlinuz"
 rm -rf "$lab"
 mv "$tmp" "$lab"
 ln -sfn "lab-$key" "$cache/lab"
-# Keep the two newest labs: an older one may still be in use by a test run.
-ls -dt "$cache"/lab-[0-9a-f]*[0-9a-f] 2>/dev/null | tail -n +3 | xargs -r rm -rf
+# Keep the two newest labs, and any used in the last two hours: an older one
+# may still be in use by a test run of another checkout.
+ls -dt "$cache"/lab-[0-9a-f]*[0-9a-f] 2>/dev/null | tail -n +3 |
+  while read -r old; do
+    if [ -n "$(find "$old" -maxdepth 0 -mmin +120)" ]; then rm -rf "$old"; fi
+  done
 say "built $lab in $(($(date +%s) - start)) s (initrd $(du -h "$lab/initrd.cpio" | cut -f1), images disk $(du -h "$lab/images.ext4" | cut -f1) on disk)"
 echo "$lab"

@@ -13,6 +13,7 @@ mod error;
 mod exec;
 mod files;
 mod images;
+mod lab;
 mod metrics;
 mod procs;
 pub mod registry;
@@ -20,6 +21,7 @@ mod routes;
 mod supervisor;
 
 use std::collections::HashMap;
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -47,6 +49,29 @@ pub struct DaemonArgs {
     /// `~/.local/share/sprout`).
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
+    /// Serve from inside the emulated hardware-virtualization lab even
+    /// where this host's KVM runs Linux guests (the default is to use the
+    /// lab only where it cannot).
+    #[arg(long, conflicts_with = "no_lab")]
+    pub lab: bool,
+    /// Never start the lab: serve from this host, where Linux images fail
+    /// with `host_unsupported` if its KVM cannot run them (the test guest
+    /// still runs).
+    #[arg(long)]
+    pub no_lab: bool,
+    /// vCPUs of the lab's emulated machine (1 is the most reliable: see
+    /// docs/architecture.md, issue 18).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub lab_cpus: u8,
+    /// RAM of the lab's emulated machine in MiB (default: half the host's,
+    /// within 2048–16384).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1024..=262144))]
+    pub lab_memory_mib: Option<u32>,
+    /// Only say whether this host's KVM runs Linux guests, and so whether
+    /// sproutd would serve from the lab, then exit: 0 if it runs them, 3 if
+    /// not (./serve asks this to know whether to build the lab).
+    #[arg(long)]
+    pub check_host: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +90,8 @@ pub enum DaemonError {
     Worker(#[source] std::io::Error),
     #[error("Serving HTTP failed")]
     Serve(#[source] std::io::Error),
+    #[error(transparent)]
+    Lab(#[from] lab::LabError),
 }
 
 /// Whether this host can run Linux guests (the VMM's probe).
@@ -73,6 +100,9 @@ pub struct HostMode {
     pub linux_guests: bool,
     /// Why not, when not.
     pub reason: Option<String>,
+    /// Whether this sproutd runs inside the emulated lab for a host that
+    /// cannot run Linux guests (`SPROUT_LAB_HOSTED`, set by the lab's init).
+    pub lab: bool,
 }
 
 /// What every request handler shares.
@@ -193,8 +223,26 @@ pub fn main(args: DaemonArgs) -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none(),
+        )
         .try_init();
+    if args.check_host {
+        return match vmm::arch::probe::check_linux_guests() {
+            Ok(()) => {
+                println!("this host's KVM runs Linux guests: sproutd serves them directly");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                println!(
+                    "this host's KVM cannot run Linux guests ({}): sproutd serves from the emulated lab",
+                    error::chain(&e)
+                );
+                ExitCode::from(3)
+            }
+        };
+    }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -217,23 +265,59 @@ fn lock_data_dir(dir: &Path) -> Result<std::fs::File, DaemonError> {
     Ok(f)
 }
 
+/// Prints how to reach a listening sproutd on stdout: the address line
+/// (tests and scripts read it) and a first request to try. `lab_disk`: the
+/// data disk, when serving from the lab.
+fn print_banner(url: &str, lab_disk: Option<&Path>) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "sproutd listening on {url}");
+    if lab_disk.is_some() {
+        let _ = writeln!(out, "  {}", lab::EMULATED_NOTE);
+    }
+    let json = "-H 'content-type: application/json'";
+    let vm_id = r#"sed 's/.*"vmId":"\([^"]*\)".*/\1/'"#;
+    let exec = r#"'{"command":"uname","argv":["-a"]}'"#;
+    let _ = writeln!(
+        out,
+        "  Try a sandbox from the default image and a command in it (a first boot takes a while):\n    \
+         id=$(curl -sf -X POST {url}/v1/runtime/schedule {json} -d '{{}}' | {vm_id}) && \\\n    \
+         curl -s -X POST {url}/v1/runtime/vms/$id/exec {json} -d {exec}"
+    );
+    let keep = lab_disk.map_or(String::new(), |d| {
+        format!(
+            "; the registry and the sandboxes' files stay on {}",
+            d.display()
+        )
+    });
+    let _ = writeln!(
+        out,
+        "  The API is in docs/api.md; {url}/v1/info says what this host serves. Stop with Ctrl-C{keep}."
+    );
+    let _ = out.flush();
+}
+
 fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     let data_dir = args.data_dir.clone().unwrap_or_else(default_data_dir);
     std::fs::create_dir_all(data_dir.join("vms"))
         .map_err(|e| DaemonError::DataDir(data_dir.clone(), e))?;
     let _lock = lock_data_dir(&data_dir)?;
+    let probe = vmm::arch::probe::check_linux_guests().map_err(|e| error::chain(&e));
+    // Where this KVM cannot run Linux guests, serve from the lab (unless
+    // told not to); --lab serves from it anyway.
+    if args.lab || (probe.is_err() && !args.no_lab) {
+        let why = match &probe {
+            Ok(()) => "--lab was given",
+            Err(e) => e.as_str(),
+        };
+        return lab::serve(&args, &data_dir, why);
+    }
     let mut registry = Registry::open(&data_dir.join("registry.db"))?;
     let images = images::scan();
     registry.set_images(&images, now_ms())?;
-    let host = match vmm::arch::probe::check_linux_guests() {
-        Ok(()) => HostMode {
-            linux_guests: true,
-            reason: None,
-        },
-        Err(e) => HostMode {
-            linux_guests: false,
-            reason: Some(error::chain(&e)),
-        },
+    let host = HostMode {
+        linux_guests: probe.is_ok(),
+        reason: probe.err(),
+        lab: std::env::var_os("SPROUT_LAB_HOSTED").is_some(),
     };
     let cmd = crate::control::worker_command().map_err(DaemonError::Worker)?;
     let app = Arc::new(App {
@@ -261,24 +345,30 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             .local_addr()
             .map_err(|e| DaemonError::Listen(args.listen, e))?;
         match &app.host.reason {
+            None if app.host.lab => tracing::info!("{}", lab::EMULATED_NOTE),
             None => tracing::info!("this host's KVM runs Linux guests"),
             Some(r) => tracing::warn!(
-                "this host's KVM cannot run Linux guests ({r}): only the test guest runs here"
+                "this host's KVM cannot run Linux guests ({r}), and --no-lab: only the test \
+                 guest runs here"
             ),
         }
         tracing::info!(data_dir = %app.data_dir.display(), "listening on http://{addr}");
-        // Tests and scripts read this line for the port.
-        {
-            use std::io::Write as _;
-            let mut out = std::io::stdout();
-            let _ = writeln!(out, "sproutd listening on http://{addr}");
-            let _ = out.flush();
+        if app.host.lab {
+            // The host's sproutd prints the banner with its own address.
+            let _ = writeln!(std::io::stdout(), "sproutd listening on http://{addr}");
+        } else {
+            print_banner(&format!("http://{addr}"), None);
         }
+        let in_lab = app.host.lab;
         axum::serve(listener, routes::router(app))
             .with_graceful_shutdown(shutdown())
             .await
             .map_err(DaemonError::Serve)?;
-        tracing::info!("stopped; workers keep running and are re-adopted on the next start");
+        if in_lab {
+            tracing::info!("stopped; the lab powers off, and its sandboxes' VMs with it");
+        } else {
+            tracing::info!("stopped; workers keep running and are re-adopted on the next start");
+        }
         Ok(())
     })
 }

@@ -246,6 +246,12 @@ struct HostModeView {
     linux_guests: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<String>,
+    /// Whether this sproutd runs inside the emulated lab (for a host that
+    /// cannot run Linux guests itself).
+    lab: bool,
+    /// In the lab: that latencies there are emulated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    note: Option<&'static str>,
 }
 
 async fn info(State(app): AppState) -> Json<Info> {
@@ -254,6 +260,8 @@ async fn info(State(app): AppState) -> Json<Info> {
         host_mode: HostModeView {
             linux_guests: app.host.linux_guests,
             reason: app.host.reason.clone(),
+            lab: app.host.lab,
+            note: app.host.lab.then_some(super::lab::EMULATED_NOTE),
         },
         images: app.images.clone(),
         data_dir: app.data_dir.display().to_string(),

@@ -1,0 +1,648 @@
+//! The lab-hosted mode: `sproutd` on a host whose KVM cannot run Linux
+//! guests (every machine this project is built on: a software KVM that
+//! emulates guest supervisor code, docs/guest.md) starts itself inside the
+//! emulated hardware-virtualization lab instead.
+//!
+//! The lab is tests/lab/build.sh's outer VM: QEMU in pure emulation with an
+//! emulated AMD SVM CPU, Debian's cloud kernel, `kvm_amd nested=1`, and
+//! `sprout` with the guest kernel and images. Booted with
+//! `lab.service=sproutd` its init (tests/lab/init) runs `sprout daemon` on
+//! port 7070 over a persistent data disk, `<data-dir>/lab/data.ext4`, which
+//! holds the registry and every sandbox's files. QEMU's user-mode network
+//! (restricted: the lab reaches nothing outside) forwards the address asked
+//! for to that port, so the API is the same as on any host.
+//!
+//! This process stays in the foreground and watches the lab:
+//! - the inner sproutd's log lines are passed on to stderr (`lab: …`); the
+//!   whole console is kept in `<data-dir>/lab/console.log`;
+//! - the lab's kernel prints a heartbeat every 5 s; with none for
+//!   [`STALL`] (a frozen emulated machine, see docs/architecture.md, issue
+//!   18) or when QEMU ends by itself, the lab is started again: the registry
+//!   survives, the sandboxes that ran are marked `failed` by the next inner
+//!   sproutd;
+//! - SIGINT or SIGTERM stop the inner sproutd and power the lab off (QEMU
+//!   is killed if it takes longer than [`STOP_GRACE`]); if this process dies
+//!   without that, QEMU gets SIGKILL from the kernel (`PR_SET_PDEATHSIG`).
+
+use std::collections::VecDeque;
+use std::io::Write as _;
+use std::net::{SocketAddr, SocketAddrV4, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::sync::mpsc;
+
+use super::DaemonError;
+
+/// The port the inner sproutd listens on (tests/lab/init).
+const INNER_PORT: u16 = 7070;
+/// Host time without a heartbeat after which the lab counts as frozen.
+const STALL: Duration = Duration::from_secs(300);
+/// Host time the lab may take from QEMU's start to an answering sproutd.
+const BOOT_LIMIT: Duration = Duration::from_secs(900);
+/// Host time a stopping lab gets before QEMU is killed.
+const STOP_GRACE: Duration = Duration::from_secs(60);
+/// Size of a new data disk (a sparse file: only what is written takes space).
+const DATA_DISK_GIB: u64 = 64;
+/// Console lines kept to show when the lab fails.
+const TAIL: usize = 40;
+/// Restarts allowed before sproutd gives up (the count resets after an
+/// hour of running).
+const MAX_RESTARTS: u32 = 5;
+/// The note `/v1/info` and the start-up line carry in this mode.
+pub const EMULATED_NOTE: &str = "served from inside the emulated hardware-virtualization lab \
+     (QEMU TCG with nested SVM): latencies there are emulated and not representative";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    #[error(
+        "The emulated lab is not built at {0} (no {1}): run ./serve, or tests/lab/build.sh, \
+         which build it"
+    )]
+    NotBuilt(PathBuf, &'static str),
+    #[error(
+        "qemu-system-x86_64 is missing, and the lab needs it: \
+         apt-get install --no-install-recommends qemu-system-x86"
+    )]
+    NoQemu,
+    #[error("The lab forwards only IPv4 addresses (QEMU's user-mode network): {0} is IPv6")]
+    Ipv6(SocketAddr),
+    #[error("Cannot listen on {0}")]
+    Listen(SocketAddr, #[source] std::io::Error),
+    #[error("Cannot make the lab's data disk {0}: {1}")]
+    DataDisk(PathBuf, String),
+    #[error("Cannot start QEMU")]
+    Spawn(#[source] std::io::Error),
+    #[error("The lab did not start: {0}\n--- the lab's console (last lines) ---\n{1}")]
+    Boot(String, String),
+    #[error("The lab failed {0} times; giving up (its console: {1})")]
+    GaveUp(u32, PathBuf),
+    #[error("Cannot write the lab's console log {0}")]
+    Console(PathBuf, #[source] std::io::Error),
+}
+
+/// What the lab needs, resolved before anything starts.
+struct Config {
+    lab: PathBuf,
+    qemu: PathBuf,
+    dir: PathBuf,
+    disk: PathBuf,
+    addr: SocketAddrV4,
+    cpus: u8,
+    memory_mib: u32,
+}
+
+/// The lab directory: `$SPROUT_LAB`, else `<cache>/lab` (tests/lab/build.sh).
+pub fn lab_dir() -> PathBuf {
+    match std::env::var_os("SPROUT_LAB").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => crate::linux::cache_dir().join("lab"),
+    }
+}
+
+/// Half the host's RAM, within 2–16 GiB: QEMU maps it but the host gives
+/// it pages only as the lab touches them.
+fn default_memory_mib() -> u32 {
+    let total_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .unwrap_or(8 << 20);
+    (total_kib / 1024 / 2).clamp(2048, 16384) as u32
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// An address to forward: the one asked for, or a free port for port 0.
+/// It is checked (bound and let go) now, so a port in use is told before
+/// a boot of minutes.
+fn forward_addr(listen: SocketAddr) -> Result<SocketAddrV4, LabError> {
+    let SocketAddr::V4(v4) = listen else {
+        return Err(LabError::Ipv6(listen));
+    };
+    let l = TcpListener::bind(v4).map_err(|e| LabError::Listen(listen, e))?;
+    let port = l
+        .local_addr()
+        .map_err(|e| LabError::Listen(listen, e))?
+        .port();
+    Ok(SocketAddrV4::new(*v4.ip(), port))
+}
+
+/// Makes the data disk once: an ext4 file system in a sparse file, made
+/// under a temporary name so a half-made one is never used.
+fn ensure_data_disk(disk: &Path) -> Result<(), LabError> {
+    if disk.is_file() {
+        return Ok(());
+    }
+    let err = |m: String| LabError::DataDisk(disk.to_owned(), m);
+    let tmp = disk.with_extension("ext4.tmp");
+    let f = std::fs::File::create(&tmp).map_err(|e| err(e.to_string()))?;
+    f.set_len(DATA_DISK_GIB << 30)
+        .map_err(|e| err(e.to_string()))?;
+    drop(f);
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-L", "sprout-data", "-m", "0"])
+        .args(["-E", "lazy_itable_init=1,lazy_journal_init=1"])
+        .arg(&tmp)
+        .output()
+        .map_err(|e| {
+            err(format!(
+                "cannot run mkfs.ext4 ({e}): apt-get install --no-install-recommends e2fsprogs"
+            ))
+        })?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(format!(
+            "mkfs.ext4 failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    std::fs::rename(&tmp, disk).map_err(|e| err(e.to_string()))
+}
+
+/// What the console reader saw.
+#[derive(Debug)]
+enum Seen {
+    Heartbeat,
+    /// The inner sproutd's start-up line.
+    Listening,
+    /// `lab: …` from the lab's init: it could not set itself up.
+    Failed(String),
+    /// The lab's init ended sproutd with this status.
+    Exit(i32),
+}
+
+/// One boot of the lab.
+struct Run {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    seen: mpsc::UnboundedReceiver<Seen>,
+    tail: std::sync::Arc<std::sync::Mutex<VecDeque<String>>>,
+    /// The console reader: it ends when QEMU closes the console.
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Run {
+    fn start(cfg: &Config) -> Result<Run, LabError> {
+        let console = cfg.dir.join("console.log");
+        // The previous boot's console, for a look after a restart.
+        let _ = std::fs::rename(&console, cfg.dir.join("console.log.1"));
+        let mut log =
+            std::fs::File::create(&console).map_err(|e| LabError::Console(console.clone(), e))?;
+        let mut cmd = Command::new(&cfg.qemu);
+        cmd.args(["-accel", "tcg", "-cpu", "max", "-nodefaults", "-no-reboot"])
+            .args(["-display", "none", "-serial", "stdio", "-monitor", "none"])
+            .arg("-m")
+            .arg(cfg.memory_mib.to_string())
+            .arg("-smp")
+            .arg(cfg.cpus.to_string())
+            .arg("-kernel")
+            .arg(cfg.lab.join("vmlinuz"))
+            .arg("-initrd")
+            .arg(cfg.lab.join("initrd.cpio"))
+            .arg("-drive")
+            .arg(drive(&cfg.lab.join("images.ext4"), true))
+            .arg("-drive")
+            .arg(drive(&cfg.disk, false))
+            .arg("-nic")
+            .arg(format!(
+                "user,model=virtio-net-pci,restrict=on,hostfwd=tcp:{}:{}-:{INNER_PORT}",
+                cfg.addr.ip(),
+                cfg.addr.port()
+            ))
+            .arg("-append")
+            .arg("console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.printk=1 lab.service=sproutd")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group: a Ctrl-C on the terminal reaches this
+            // process, which stops the lab in order, and not QEMU too.
+            .process_group(0)
+            .kill_on_drop(true);
+        // SAFETY: the closure runs in the forked child before exec and only
+        // makes one prctl call, which is async-signal-safe; it touches no
+        // memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = cmd.spawn().map_err(LabError::Spawn)?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped");
+        let mut stderr = child.stderr.take().expect("piped");
+        let (tx, seen) = mpsc::unbounded_channel();
+        let tail = std::sync::Arc::new(std::sync::Mutex::new(VecDeque::new()));
+        let keep = tail.clone();
+        let reader = tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).split(b'\n');
+            while let Ok(Some(raw)) = lines.next_segment().await {
+                let _ = log.write_all(&raw);
+                let _ = log.write_all(b"\n");
+                let line = String::from_utf8_lossy(&raw);
+                let line = line.trim_end_matches('\r');
+                // (A terminal escape may come before a marker.)
+                if line.contains("===SPROUT-LAB-HEARTBEAT") {
+                    let _ = tx.send(Seen::Heartbeat);
+                    continue;
+                }
+                {
+                    let mut t = super::lock(&keep);
+                    if t.len() == TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(line.to_owned());
+                }
+                if let Some(code) = line
+                    .split("===SPROUT-LAB-EXIT ")
+                    .nth(1)
+                    .and_then(|r| r.strip_suffix("==="))
+                {
+                    let _ = tx.send(Seen::Exit(code.trim().parse().unwrap_or(-1)));
+                } else if let Some(why) = line.strip_prefix("lab: ") {
+                    let _ = tx.send(Seen::Failed(why.to_owned()));
+                } else if line.contains("===SPROUT-LAB-") {
+                } else if !line.trim().is_empty() && !is_kernel_line(line) {
+                    if line.contains("sproutd listening on http://") {
+                        let _ = tx.send(Seen::Listening);
+                    } else {
+                        eprintln!("lab: {line}");
+                    }
+                }
+            }
+        });
+        // QEMU's own complaints go to the console log's neighbour.
+        let qemu_log = cfg.dir.join("qemu.log");
+        tokio::spawn(async move {
+            let mut buf = Vec::new();
+            let _ = stderr.read_to_end(&mut buf).await;
+            if !buf.is_empty() {
+                let _ = std::fs::write(qemu_log, &buf);
+            }
+        });
+        Ok(Run {
+            child,
+            stdin,
+            seen,
+            tail,
+            reader,
+        })
+    }
+
+    fn tail(&self) -> String {
+        let t = super::lock(&self.tail);
+        t.iter().cloned().collect::<Vec<_>>().join("\n")
+    }
+
+    /// Waits until the inner sproutd answers through the forwarded port.
+    async fn until_ready(&mut self, cfg: &Config, stop: &mut Stop) -> Result<bool, LabError> {
+        let start = Instant::now();
+        let mut next_note = Duration::from_secs(20);
+        let mut listening = false;
+        loop {
+            if start.elapsed() > BOOT_LIMIT {
+                return Err(LabError::Boot(
+                    format!("no answering sproutd after {} s", BOOT_LIMIT.as_secs()),
+                    self.tail(),
+                ));
+            }
+            if start.elapsed() > next_note {
+                eprintln!(
+                    "sproutd: the lab is still starting ({} s; the emulated machine is slow to boot)",
+                    start.elapsed().as_secs()
+                );
+                next_note += Duration::from_secs(20);
+            }
+            tokio::select! {
+                _ = stop.wait() => return Ok(false),
+                s = self.seen.recv() => match s {
+                    Some(Seen::Listening) => listening = true,
+                    Some(Seen::Failed(why)) => return Err(LabError::Boot(why, self.tail())),
+                    Some(Seen::Exit(c)) => {
+                        return Err(LabError::Boot(format!("sproutd in the lab exited with {c}"), self.tail()))
+                    }
+                    Some(Seen::Heartbeat) => {}
+                    None => {
+                        let st = self.child.wait().await.ok();
+                        return Err(LabError::Boot(format!("QEMU ended ({st:?})"), self.tail()));
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_millis(500)), if listening => {
+                    if health(cfg.addr).await {
+                        return Ok(true);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs until the host asks to stop (Ok), or the lab ends or freezes
+    /// (Err, with what happened).
+    async fn watch(&mut self, stop: &mut Stop) -> Result<(), String> {
+        let mut last = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.wait() => return Ok(()),
+                s = self.seen.recv() => match s {
+                    Some(Seen::Heartbeat) => last = Instant::now(),
+                    Some(Seen::Exit(c)) => return Err(format!("sproutd in the lab exited with {c}")),
+                    Some(Seen::Failed(why)) => return Err(why),
+                    Some(Seen::Listening) => {}
+                    None => {
+                        let st = self.child.wait().await.ok();
+                        return Err(format!("QEMU ended by itself ({st:?})"));
+                    }
+                },
+                _ = tokio::time::sleep(Duration::from_secs(5)) => {
+                    if last.elapsed() > STALL {
+                        return Err(format!(
+                            "the emulated machine froze (no heartbeat from the lab's kernel for {} s)",
+                            last.elapsed().as_secs()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops sproutd in the lab and powers it off; kills QEMU if it takes
+    /// longer than [`STOP_GRACE`].
+    async fn stop(mut self) {
+        if let Some(mut stdin) = self.stdin.take() {
+            let _ = stdin.write_all(b"SPROUT-LAB-SHUTDOWN\n").await;
+            let _ = stdin.flush().await;
+        }
+        match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                eprintln!(
+                    "sproutd: the lab did not power off within {} s; killing QEMU",
+                    STOP_GRACE.as_secs()
+                );
+                let _ = self.child.kill().await;
+            }
+        }
+        // The console's last lines reach the log (and stderr).
+        let _ = tokio::time::timeout(Duration::from_secs(5), self.reader).await;
+    }
+
+    async fn kill(mut self) {
+        let _ = self.child.kill().await;
+    }
+}
+
+/// A kernel message (`[   11.42] reboot: Power down`): kept in the console
+/// log only.
+fn is_kernel_line(line: &str) -> bool {
+    line.strip_prefix('[')
+        .and_then(|r| r.split_once(']'))
+        .is_some_and(|(t, _)| {
+            let t = t.trim();
+            !t.is_empty() && t.chars().all(|c| c.is_ascii_digit() || c == '.')
+        })
+}
+
+fn drive(path: &Path, read_only: bool) -> std::ffi::OsString {
+    // QEMU's option syntax doubles a comma inside a value.
+    let p = path.to_string_lossy().replace(',', ",,");
+    let ro = if read_only { ",readonly=on" } else { "" };
+    format!("file={p},if=virtio,format=raw,cache=writeback{ro}").into()
+}
+
+/// Whether `GET /v1/health` through the forward answers 200.
+async fn health(addr: SocketAddrV4) -> bool {
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(b"GET /v1/health HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n\r\n")
+            .await
+            .ok()?;
+        let mut buf = [0u8; 64];
+        let mut n = 0;
+        while n < 12 {
+            let k = s.read(&mut buf[n..]).await.ok()?;
+            if k == 0 {
+                break;
+            }
+            n += k;
+        }
+        Some(buf[..n].starts_with(b"HTTP/1.1 200"))
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(5), probe).await,
+        Ok(Some(true))
+    )
+}
+
+/// SIGINT or SIGTERM, seen once and remembered.
+struct Stop {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    asked: bool,
+}
+
+impl Stop {
+    fn new() -> std::io::Result<Stop> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Stop {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            asked: false,
+        })
+    }
+
+    async fn wait(&mut self) {
+        if !self.asked {
+            tokio::select! {
+                _ = self.int.recv() => {}
+                _ = self.term.recv() => {}
+            }
+            self.asked = true;
+        }
+    }
+}
+
+/// Serves the API from inside the lab until SIGINT or SIGTERM. `why` is
+/// why this host does not serve Linux guests itself.
+pub(super) fn serve(
+    args: &super::DaemonArgs,
+    data_dir: &Path,
+    why: &str,
+) -> Result<(), DaemonError> {
+    let lab = lab_dir();
+    for f in ["vmlinuz", "initrd.cpio", "images.ext4"] {
+        if !lab.join(f).is_file() {
+            return Err(LabError::NotBuilt(lab, f).into());
+        }
+    }
+    let qemu = find_in_path("qemu-system-x86_64").ok_or(LabError::NoQemu)?;
+    let dir = data_dir.join("lab");
+    std::fs::create_dir_all(&dir).map_err(|e| DaemonError::DataDir(dir.clone(), e))?;
+    let addr = forward_addr(args.listen)?;
+    let disk = dir.join("data.ext4");
+    ensure_data_disk(&disk)?;
+    let cfg = Config {
+        lab: std::fs::canonicalize(&lab).unwrap_or(lab),
+        qemu,
+        dir,
+        disk,
+        addr,
+        cpus: args.lab_cpus,
+        memory_mib: args.lab_memory_mib.unwrap_or_else(default_memory_mib),
+    };
+    tracing::warn!("{why}");
+    eprintln!(
+        "sproutd: starting the emulated lab ({} vCPU, {} MiB; the lab: {}; its console: {})",
+        cfg.cpus,
+        cfg.memory_mib,
+        cfg.lab.display(),
+        cfg.dir.join("console.log").display()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(DaemonError::Runtime)?;
+    rt.block_on(supervise(cfg))
+}
+
+async fn supervise(cfg: Config) -> Result<(), DaemonError> {
+    let mut stop = Stop::new().map_err(DaemonError::Runtime)?;
+    let mut failures = 0u32;
+    let mut first = true;
+    loop {
+        let started = Instant::now();
+        let mut run = Run::start(&cfg)?;
+        match run.until_ready(&cfg, &mut stop).await {
+            Ok(true) => {}
+            Ok(false) => {
+                run.stop().await;
+                return Ok(());
+            }
+            Err(e) if first => {
+                run.kill().await;
+                return Err(e.into());
+            }
+            Err(e) => {
+                run.kill().await;
+                failures += 1;
+                eprintln!("sproutd: {}", super::error::chain(&e));
+                if failures > MAX_RESTARTS {
+                    return Err(LabError::GaveUp(failures, cfg.dir.join("console.log")).into());
+                }
+                continue;
+            }
+        }
+        let url = format!("http://{}", cfg.addr);
+        if first {
+            super::print_banner(&url, Some(&cfg.dir.join("data.ext4")));
+            first = false;
+        } else {
+            eprintln!("sproutd: the lab is serving again on {url}");
+        }
+        match run.watch(&mut stop).await {
+            Ok(()) => {
+                eprintln!("sproutd: stopping the lab");
+                run.stop().await;
+                eprintln!("sproutd: stopped; the registry and the sandboxes' files are kept");
+                return Ok(());
+            }
+            Err(what) => {
+                run.kill().await;
+                if started.elapsed() > Duration::from_secs(3600) {
+                    failures = 0;
+                }
+                failures += 1;
+                eprintln!(
+                    "sproutd: {what}; starting the lab again (sandboxes that ran are marked failed; \
+                     the console of that run: {})",
+                    cfg.dir.join("console.log.1").display()
+                );
+                if failures > MAX_RESTARTS {
+                    return Err(LabError::GaveUp(failures, cfg.dir.join("console.log.1")).into());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn port_zero_becomes_a_free_port_and_ipv6_is_refused() {
+        let any = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0));
+        assert_ne!(forward_addr(any).unwrap().port(), 0);
+        let v6: SocketAddr = "[::1]:7070".parse().unwrap();
+        assert!(matches!(forward_addr(v6), Err(LabError::Ipv6(_))));
+        // A port in use is told now, not after a boot.
+        let held = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = held.local_addr().unwrap();
+        assert!(matches!(forward_addr(addr), Err(LabError::Listen(..))));
+    }
+
+    #[test]
+    fn a_data_disk_is_made_once_as_a_sparse_ext4_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("data.ext4");
+        ensure_data_disk(&disk).unwrap();
+        let m = std::fs::metadata(&disk).unwrap();
+        assert_eq!(m.len(), DATA_DISK_GIB << 30);
+        use std::os::unix::fs::MetadataExt as _;
+        assert!(
+            m.blocks() * 512 < 256 << 20,
+            "not sparse: {} blocks",
+            m.blocks()
+        );
+        crate::linux::check_ext4(&disk).unwrap();
+        // A second call keeps what is there.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&disk)
+            .unwrap()
+            .write_all_at(b"mark", 8 << 20)
+            .unwrap();
+        ensure_data_disk(&disk).unwrap();
+        let mut b = [0u8; 4];
+        std::fs::File::open(&disk)
+            .unwrap()
+            .read_exact_at(&mut b, 8 << 20)
+            .unwrap();
+        assert_eq!(&b, b"mark");
+        assert!(!disk.with_extension("ext4.tmp").exists());
+    }
+
+    #[test]
+    fn kernel_lines_are_told_from_sproutd_lines() {
+        assert!(is_kernel_line("[   11.422892] reboot: Power down"));
+        assert!(!is_kernel_line("[lab] something"));
+        assert!(!is_kernel_line(
+            "2026-12-01T15:58:14Z  INFO service::daemon: x"
+        ));
+    }
+
+    #[test]
+    fn drive_options_escape_commas() {
+        assert_eq!(
+            drive(Path::new("/a,b/c.ext4"), true),
+            "file=/a,,b/c.ext4,if=virtio,format=raw,cache=writeback,readonly=on"
+        );
+    }
+
+    use std::net::Ipv4Addr;
+    use std::os::unix::fs::FileExt as _;
+}

@@ -1,0 +1,294 @@
+//! `sproutd --lab`: the service a host without hardware virtualization runs
+//! (service/src/daemon/lab.rs). A real HTTP client on this host talks to a
+//! real sproutd whose API is served from inside the emulated lab (QEMU
+//! TCG with nested SVM, tests/lab/) over its forwarded port, booting real
+//! Linux guests there; the registry lives on the lab's persistent data disk.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::Client;
+use serde_json::{json, Value};
+
+/// The lab, built (or found in the cache) by tests/lab/build.sh.
+fn lab() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("tests/lab/build.sh"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run tests/lab/build.sh");
+    assert!(out.status.success(), "tests/lab/build.sh failed");
+    // (Its last line: the lab's directory.)
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    PathBuf::from(
+        stdout
+            .lines()
+            .last()
+            .expect("build.sh names the lab")
+            .trim(),
+    )
+}
+
+struct Hosted {
+    child: Child,
+    base: String,
+    banner: Vec<String>,
+}
+
+impl Hosted {
+    fn start(lab: &Path, data_dir: &Path) -> Hosted {
+        std::fs::create_dir_all(data_dir).unwrap();
+        let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+            .args([
+                "--lab",
+                "--lab-memory-mib",
+                "2048",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .env("SPROUT_LAB", lab)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .expect("start sproutd");
+        // The banner: the address line, then how to use it. It comes once
+        // the lab's sproutd answers through the forwarded port.
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut banner = Vec::new();
+        loop {
+            let mut line = String::new();
+            let n = out.read_line(&mut line).unwrap();
+            assert!(
+                n > 0,
+                "sproutd ended before it listened: {}",
+                std::fs::read_to_string(data_dir.with_extension("log")).unwrap_or_default()
+            );
+            banner.push(line.trim_end().to_owned());
+            if line.contains("Stop with Ctrl-C") {
+                break;
+            }
+        }
+        let base = banner[0]
+            .strip_prefix("sproutd listening on ")
+            .unwrap_or_else(|| panic!("first line: {:?}", banner[0]))
+            .to_owned();
+        Hosted {
+            child,
+            base,
+            banner,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// SIGINT, as Ctrl-C sends it; the exit status.
+    fn interrupt(mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-INT", &pid]).status().unwrap();
+        self.child.wait().unwrap()
+    }
+}
+
+impl Drop for Hosted {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Pids of QEMU processes that use `disk`.
+fn qemus_on(disk: &Path) -> Vec<u32> {
+    let needle = disk.to_string_lossy().into_owned();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if (cmd.starts_with("qemu-system") || cmd.contains("/qemu-system")) && cmd.contains(&needle)
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !ok() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+async fn post(c: &Client, h: &Hosted, path: &str, body: Value) -> (u16, Value) {
+    let r = c.post(h.url(path)).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")),
+    )
+}
+
+async fn exec(c: &Client, h: &Hosted, id: &str, cmd: &str, argv: &[&str]) -> Value {
+    let (st, v) = post(
+        c,
+        h,
+        &format!("/v1/runtime/vms/{id}/exec"),
+        json!({"command": cmd, "argv": argv}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_across_restarts() {
+    let lab = lab();
+    let t = tempfile::tempdir().unwrap();
+    let data = t.path().join("data");
+    let disk = data.join("lab/data.ext4");
+    let c = Client::builder()
+        .timeout(Duration::from_secs(600))
+        .build()
+        .unwrap();
+
+    let h = Hosted::start(&lab, &data);
+    let banner = h.banner.join("\n");
+    assert!(banner.contains("latencies there are emulated"), "{banner}");
+    assert!(
+        banner.contains(&format!("curl -sf -X POST {}/v1/runtime/schedule", h.base)),
+        "{banner}"
+    );
+    assert!(disk.is_file(), "a data disk at {}", disk.display());
+    let info: Value = c
+        .get(h.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["hostMode"]["lab"], true, "{info}");
+    assert_eq!(info["hostMode"]["linuxGuests"], true, "{info}");
+    assert!(
+        info["hostMode"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("emulated"),
+        "{info}"
+    );
+
+    // A Linux sandbox from the default image, and a command in it.
+    let (st, v) = post(
+        &c,
+        &h,
+        "/v1/runtime/schedule",
+        json!({"cpus": 1, "memoryMb": 256, "metadata": {"run": "first"}}),
+    )
+    .await;
+    assert_eq!(st, 201, "{v}");
+    let first = v["vmId"].as_str().unwrap().to_owned();
+    let v = exec(&c, &h, &first, "python3", &["-c", "print(2**100)"]).await;
+    assert_eq!(v["stdout"], "1267650600228229401496703205376\n", "{v}");
+    assert_eq!(v["exitCode"], 0, "{v}");
+
+    // Ctrl-C: the lab's sproutd stops, the lab powers off, QEMU is gone.
+    assert_eq!(qemus_on(&disk).len(), 1, "one QEMU on the data disk");
+    let st = h.interrupt();
+    assert!(st.success(), "sproutd exited {st}");
+    assert!(qemus_on(&disk).is_empty(), "QEMU outlived sproutd");
+    let console = std::fs::read_to_string(data.join("lab/console.log")).unwrap();
+    assert!(
+        console.contains("===SPROUT-LAB-EXIT 0==="),
+        "the lab's sproutd did not stop cleanly:\n{console}"
+    );
+
+    // Started again on the same data directory: the registry was kept on
+    // the data disk. The sandbox's VM did not outlive the lab: failed, with
+    // the reason.
+    let h = Hosted::start(&lab, &data);
+    let list: Value = c
+        .get(h.url("/v1/runtime/vms?metadata.run=first"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let vms = list["vms"].as_array().unwrap();
+    assert_eq!(vms.len(), 1, "{list}");
+    assert_eq!(vms[0]["vmId"], first.as_str(), "{list}");
+    assert_eq!(vms[0]["state"], "failed", "{list}");
+    assert!(vms[0]["failureReason"].as_str().is_some(), "{list}");
+    // New sandboxes work in the restarted lab; both delete cleanly.
+    let (st, v) = post(
+        &c,
+        &h,
+        "/v1/runtime/schedule",
+        json!({"cpus": 1, "memoryMb": 256}),
+    )
+    .await;
+    assert_eq!(st, 201, "{v}");
+    let second = v["vmId"].as_str().unwrap().to_owned();
+    let v = exec(&c, &h, &second, "/bin/sh", &["-c", "echo again; uname -s"]).await;
+    assert_eq!(v["stdout"], "again\nLinux\n", "{v}");
+    for id in [&first, &second] {
+        let r = c
+            .delete(h.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "delete {id}: {}", r.status());
+    }
+
+    // kill -9 of sproutd takes the lab with it (no QEMU is left behind).
+    let pid = h.child.id();
+    assert_eq!(qemus_on(&disk).len(), 1);
+    Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    wait_until(
+        "QEMU to end with its sproutd",
+        Duration::from_secs(30),
+        || qemus_on(&disk).is_empty(),
+    );
+}
+
+#[test]
+fn lab_and_no_lab_conflict_and_no_lab_serves_here() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .args(["--lab", "--no-lab"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot be used with"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // --check-host says what this host does (the answer depends on it; its
+    // exit status and words agree).
+    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .arg("--check-host")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    match out.status.code() {
+        Some(0) => assert!(said.contains("runs Linux guests"), "{said}"),
+        Some(3) => assert!(said.contains("serves from the emulated lab"), "{said}"),
+        other => panic!("--check-host exited {other:?}: {said}"),
+    }
+}
