@@ -164,7 +164,9 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         .build()
         .unwrap();
 
+    let t0 = Instant::now();
     let h = Hosted::start(&lab, &data);
+    eprintln!("[{:?}] the lab serves on {}", t0.elapsed(), h.base);
     let banner = h.banner.join("\n");
     assert!(banner.contains("latencies there are emulated"), "{banner}");
     assert!(
@@ -204,6 +206,12 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     assert_eq!(v["stdout"], "1267650600228229401496703205376\n", "{v}");
     assert_eq!(v["exitCode"], 0, "{v}");
 
+    eprintln!("[{:?}] python answered; path escapes", t0.elapsed());
+    path_escapes_are_refused(&c, &h, &first).await;
+    eprintln!("[{:?}] an output flood", t0.elapsed());
+    an_output_flood_is_capped_and_sproutd_stays_small(&c, &h, &first).await;
+    eprintln!("[{:?}] stopping the lab", t0.elapsed());
+
     // Ctrl-C: the lab's sproutd stops, the lab powers off, QEMU is gone.
     assert_eq!(qemus_on(&disk).len(), 1, "one QEMU on the data disk");
     let st = h.interrupt();
@@ -215,6 +223,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         "the lab's sproutd did not stop cleanly:\n{console}"
     );
 
+    eprintln!("[{:?}] the lab stopped; starting it again", t0.elapsed());
     // Started again on the same data directory: the registry was kept on
     // the data disk. The sandbox's VM did not outlive the lab: failed, with
     // the reason.
@@ -291,4 +300,114 @@ fn lab_and_no_lab_conflict_and_no_lab_serves_here() {
         Some(3) => assert!(said.contains("serves from the emulated lab"), "{said}"),
         other => panic!("--check-host exited {other:?}: {said}"),
     }
+}
+
+/// Twenty ways out of `/workspace`, over every file endpoint, each `400
+/// path_escape`; nothing outside was made or changed.
+async fn path_escapes_are_refused(c: &Client, h: &Hosted, id: &str) {
+    // Links that point out: to a directory and to a file.
+    let v = exec(
+        c,
+        h,
+        id,
+        "/bin/sh",
+        &["-c", "ln -s /etc /workspace/out && ln -s ../../etc/passwd /workspace/pw && sha256sum /etc/passwd /etc/hostname"],
+    )
+    .await;
+    assert_eq!(v["exitCode"], 0, "{v}");
+    let before = v["stdout"].as_str().unwrap().to_owned();
+    let f = format!("/v1/runtime/vms/{id}/files");
+    let mut tried = Vec::new();
+    for p in [
+        "../x",
+        "../../etc/passwd",
+        "/etc/passwd",
+        "d/../../x",
+        "%2e%2e/x",
+        "out/passwd",
+        "pw",
+    ] {
+        tried.push(c.get(h.url(&format!("{f}/content?path={p}"))));
+    }
+    for p in ["../x", "/etc/hostname", "out/hostname", "pw"] {
+        tried.push(c.put(h.url(&format!("{f}/content?path={p}"))).body("pwned"));
+    }
+    for p in ["../../etc/shadow", "out/shadow"] {
+        tried.push(c.get(h.url(&format!("{f}/raw?path={p}"))));
+    }
+    for p in ["../y", "out/y"] {
+        tried.push(c.put(h.url(&format!("{f}/raw?path={p}"))).body("pwned"));
+    }
+    for p in ["..", "out"] {
+        tried.push(c.get(h.url(&format!("{f}?path={p}"))));
+    }
+    for p in ["../z", "out/z"] {
+        tried.push(
+            c.post(h.url(&format!("{f}/mkdir")))
+                .json(&json!({"path": p})),
+        );
+    }
+    tried.push(c.delete(h.url(&format!("{f}?path=../etc"))));
+    assert_eq!(tried.len(), 20);
+    for (i, req) in tried.into_iter().enumerate() {
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 400, "escape {i}: {v}");
+        assert_eq!(v["error"]["code"], "path_escape", "escape {i}: {v}");
+    }
+    let v = exec(
+        c,
+        h,
+        id,
+        "/bin/sh",
+        &["-c", "sha256sum /etc/passwd /etc/hostname; ls -d /x /y /z /etc/z /etc/y /etc/shadow 2>/dev/null | grep -v shadow; test -d /etc"],
+    )
+    .await;
+    assert_eq!(
+        v["stdout"],
+        before.as_str(),
+        "something outside changed: {v}"
+    );
+    assert_eq!(v["exitCode"], 0, "{v}");
+}
+
+/// 64 MiB of output from one buffered exec: the answer is cut at 1 MiB and
+/// says so, and sproutd's peak memory stays far below the flood.
+async fn an_output_flood_is_capped_and_sproutd_stays_small(c: &Client, h: &Hosted, id: &str) {
+    let v = exec(
+        c,
+        h,
+        id,
+        "/bin/sh",
+        &[
+            "-c",
+            "head -c 67108864 /dev/zero | tr '\\0' x; echo done >&2",
+        ],
+    )
+    .await;
+    assert_eq!(v["exitCode"], 0, "{}", v["stderr"]);
+    assert_eq!(v["stdoutTruncated"], true);
+    assert_eq!(v["stderr"], "done\n");
+    let out = v["stdout"].as_str().unwrap();
+    assert_eq!(out.len(), 1 << 20);
+    assert!(out.bytes().all(|b| b == b'x'));
+    let metrics = c
+        .get(h.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let peak: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("sproutd_peak_resident_memory_bytes "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no peak RSS in\n{metrics}"));
+    assert!(
+        peak < 48 << 20,
+        "sproutd's peak RSS is {} MiB after a 64 MiB flood",
+        peak >> 20
+    );
 }

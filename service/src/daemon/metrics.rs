@@ -104,6 +104,27 @@ impl Metrics {
                 label(method)
             );
         }
+        // This process's memory, for a bound on what a flood of output or
+        // a large file costs the service.
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        for (key, name, help) in [
+            (
+                "VmRSS:",
+                "process_resident_memory_bytes",
+                "Resident memory of sproutd.",
+            ),
+            (
+                "VmHWM:",
+                "sproutd_peak_resident_memory_bytes",
+                "Peak resident memory of sproutd since it started.",
+            ),
+        ] {
+            if let Some(kib) = proc_kib(&status, key) {
+                let _ = writeln!(out, "# HELP {name} {help}");
+                let _ = writeln!(out, "# TYPE {name} gauge");
+                let _ = writeln!(out, "{name} {}", kib * 1024);
+            }
+        }
         self.create.render(
             "sproutd_create_seconds",
             "Time to create a sandbox (schedule request to answer).",
@@ -116,6 +137,18 @@ impl Metrics {
         );
         out
     }
+}
+
+/// `KEY:   123 kB` of a /proc status file, in KiB.
+fn proc_kib(status: &str, key: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()
 }
 
 #[cfg(test)]
@@ -149,5 +182,14 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
         }
+        let rss = text
+            .lines()
+            .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+            .and_then(|v| v.parse::<u64>().ok())
+            .expect("the RSS gauge");
+        assert!(rss > 1 << 20, "{rss}");
+        assert!(text.contains("sproutd_peak_resident_memory_bytes "));
+        assert_eq!(proc_kib("VmRSS:\t   1234 kB\n", "VmRSS:"), Some(1234));
+        assert_eq!(proc_kib("VmRSS: junk\n", "VmRSS:"), None);
     }
 }
