@@ -5,7 +5,8 @@
 //! (default: all, 200 runs for the VM core, 30 for snapshots). `workers`
 //! measures fork and restore across worker processes beside the same
 //! in-process; this binary is its own worker (`report worker ...`).
-//! With `--json`, one JSON object a row (`{"name", "runs", "p50_ms",
+//! `api URL [--data-dir DIR] [--image NAME]` measures a running sproutd's
+//! API beside the library (api.rs). With `--json`, one JSON object a row (`{"name", "runs", "p50_ms",
 //! "p99_ms", "min_ms", "max_ms"}`) follows the table, to compare commits.
 
 use std::time::{Duration, Instant};
@@ -66,7 +67,11 @@ fn main() -> anyhow::Result<()> {
     let json = std::env::args().any(|a| a == "--json");
     let mut pos = std::env::args().skip(1).filter(|a| a != "--json");
     let what = pos.next().unwrap_or_else(|| "all".into());
-    let runs: Option<usize> = pos.next().map(|s| s.parse()).transpose()?;
+    let runs: Option<usize> = if what == "api" {
+        None
+    } else {
+        pos.next().map(|s| s.parse()).transpose()?
+    };
     println!("| what | runs | p50 ms | p99 ms | min ms | max ms |");
     println!("| --- | --- | --- | --- | --- | --- |");
     if what == "vm" || what == "all" {
@@ -81,6 +86,19 @@ fn main() -> anyhow::Result<()> {
     if what == "workers" || what == "all" {
         workers::run(runs.unwrap_or(30))?;
     }
+    if what == "api" {
+        // report api URL [--data-dir DIR] [--image NAME] [RUNS]: a number
+        // last is the run count.
+        let mut rest: Vec<String> = std::env::args().skip(2).filter(|a| a != "--json").collect();
+        let runs = match rest.last().map(|l| l.parse::<usize>()) {
+            Some(Ok(n)) => {
+                rest.pop();
+                n
+            }
+            _ => 100,
+        };
+        api::run(&rest, runs)?;
+    }
     if json {
         println!();
         for l in JSON.lock().unwrap_or_else(|p| p.into_inner()).iter() {
@@ -90,6 +108,7 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+mod api;
 mod fork;
 mod snapshots;
 mod workers;
