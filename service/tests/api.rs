@@ -723,3 +723,87 @@ async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
         "{text}"
     );
 }
+
+/// Polls the sandbox until it is `failed`; its failure reason.
+async fn failed_reason(c: &Client, d: &Daemon, id: &str) -> String {
+    let t = Instant::now();
+    loop {
+        let v: Value = c
+            .get(d.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["state"] == "failed" {
+            return v["failureReason"].as_str().unwrap_or_default().to_owned();
+        }
+        assert_eq!(v["state"], "running", "{v}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "not failed within 20 s of its worker's death: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_worker_that_dies_fails_its_sandbox_at_once_without_an_exec() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let mut ids = Vec::new();
+    let mut pids = Vec::new();
+    for _ in 0..2 {
+        let r = post(
+            &c,
+            &d,
+            "/v1/runtime/schedule",
+            json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::CREATED);
+        let v: Value = r.json().await.unwrap();
+        ids.push(v["vmId"].as_str().unwrap().to_owned());
+        pids.push(v["workerPid"].as_u64().unwrap());
+    }
+    // A worker this sproutd started: its status is in the reason.
+    Command::new("kill")
+        .args(["-KILL", &pids[0].to_string()])
+        .status()
+        .unwrap();
+    let why = failed_reason(&c, &d, &ids[0]).await;
+    assert!(why.contains("was killed by signal 9 (SIGKILL)"), "{why}");
+    assert!(why.contains(&format!("pid {}", pids[0])), "{why}");
+    // The other is untouched.
+    let v: Value = c
+        .get(d.url(&format!("/v1/runtime/vms/{}", ids[1])))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["state"], "running", "{v}");
+    // A worker re-adopted by a new sproutd is watched too.
+    d.stop();
+    let d = Daemon::start(&dir);
+    Command::new("kill")
+        .args(["-KILL", &pids[1].to_string()])
+        .status()
+        .unwrap();
+    let why = failed_reason(&c, &d, &ids[1]).await;
+    assert!(why.contains(&format!("pid {}", pids[1])), "{why}");
+    assert!(why.contains("exited"), "{why}");
+    for id in &ids {
+        let r = c
+            .delete(d.url(&format!("/v1/runtime/vms/{id}")))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+    }
+    // A deleted sandbox's worker ending is no failure.
+    assert!(vms(&c, &d, "").await.is_empty());
+}

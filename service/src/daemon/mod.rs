@@ -19,6 +19,7 @@ mod procs;
 pub mod registry;
 mod routes;
 mod supervisor;
+mod watch;
 
 use std::collections::HashMap;
 use std::io::Write as _;
@@ -187,6 +188,7 @@ impl App {
                 }
                 continue;
             }
+            let pid = s.pid;
             let app = self.clone();
             let probe = tokio::task::spawn_blocking(move || app.supervisor.adopt(&s));
             let (state, why) =
@@ -202,8 +204,12 @@ impl App {
                 None => tracing::info!(vm = %id, "re-adopted its worker ({})", state.as_str()),
                 Some(w) => tracing::warn!(vm = %id, "marked failed: {w}"),
             }
+            let live = why.is_none();
             self.db(move |r| r.set_state(id, state, why.as_deref()))
                 .await?;
+            if let (true, Some(pid)) = (live, pid) {
+                watch::worker(self, id, pid);
+            }
         }
         Ok(())
     }

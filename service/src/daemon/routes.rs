@@ -526,6 +526,7 @@ async fn start(app: Arc<App>, s: Sandbox, image: std::path::PathBuf) -> Result<(
     app.db(move |r| r.set_state(id, VmState::Running, None))
         .await
         .map_err(|e| BootError::Failed(e.message))?;
+    super::watch::worker(&app, id, pid);
     Ok(())
 }
 
