@@ -807,3 +807,219 @@ async fn a_worker_that_dies_fails_its_sandbox_at_once_without_an_exec() {
     // A deleted sandbox's worker ending is no failure.
     assert!(vms(&c, &d, "").await.is_empty());
 }
+
+fn committed_openapi() -> (String, Value) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/openapi.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let v = serde_json::from_str(&text).unwrap();
+    (text, v)
+}
+
+/// Checks `body`, the JSON answer of `method path` (a documented template)
+/// with `status`, against the document.
+fn assert_documented(doc: &Value, method: &str, path: &str, status: u16, body: &Value) {
+    if let Err(e) = service::daemon::openapi::fits_answer(doc, method, path, status, body) {
+        let body: String = body.to_string().chars().take(500).collect();
+        panic!("{method} {path} answered {status} {body}: {e}");
+    }
+}
+
+/// GET /v1/openapi.json is docs/openapi.json, byte for byte; every
+/// operation it documents is routed (its answer is never the router's
+/// `404 not_found` or `405`) and answers a status and code it documents,
+/// with a body that fits the document; every method it does not document
+/// on a documented path is 405.
+#[tokio::test]
+async fn openapi_json_is_the_committed_document_and_every_documented_operation_is_served() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let r = c.get(d.url("/v1/openapi.json")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("application/json"));
+    let served = r.text().await.unwrap();
+    let (committed, doc) = committed_openapi();
+    assert!(
+        served == committed,
+        "the served document is not docs/openapi.json: \
+         SPROUT_UPDATE_OPENAPI=1 cargo test -p service openapi"
+    );
+    let paths = doc["paths"].as_object().unwrap();
+    assert!(paths.len() >= 15, "{}", paths.len());
+    let all = ["get", "put", "post", "delete", "patch"];
+    let mut probed = 0;
+    for (template, item) in paths {
+        // Ids that name nothing: no probe touches a sandbox.
+        let path = template
+            .replace("{id}", "6f1c3e2a-8d4b-4c1e-9a7f-0b2d3e4f5a6b")
+            .replace("{execId}", "1");
+        let ops = item.as_object().unwrap();
+        for method in all {
+            let mut url = d.url(&path);
+            let op = ops.get(method);
+            let needs_path = op.is_some_and(|op| {
+                op["parameters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|p| p["name"] == "path" && p["in"] == "query")
+            });
+            if needs_path {
+                url.push_str("?path=probe.txt");
+            }
+            let req = c.request(method.to_uppercase().parse().unwrap(), &url);
+            // A JSON body of a field no request has: refused as
+            // invalid_body before anything is done.
+            let content = op.and_then(|op| op["requestBody"]["content"].as_object());
+            let req = match content.and_then(|m| m.keys().next()).map(String::as_str) {
+                Some("application/json") => req
+                    .header("content-type", "application/json")
+                    .body(r#"{"openapiProbe":true}"#),
+                Some(_) => req.body("probe"),
+                None => req,
+            };
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            let json = r.headers()["content-type"]
+                .to_str()
+                .unwrap()
+                .starts_with("application/json");
+            let body: Value = if json {
+                r.json().await.unwrap()
+            } else {
+                Value::String(r.text().await.unwrap())
+            };
+            let what = format!("{} {template}", method.to_uppercase());
+            let Some(op) = op else {
+                assert_eq!(status, 405, "{what} is not documented: {body}");
+                assert_eq!(body["error"]["code"], "method_not_allowed", "{what}");
+                continue;
+            };
+            probed += 1;
+            assert!(
+                status != 405 && !(status == 404 && body["error"]["code"] == "not_found"),
+                "{what} is documented but not routed: {status} {body}"
+            );
+            assert!(
+                op["responses"].get(status.to_string()).is_some(),
+                "{what} answered {status}, which it does not document: {body}"
+            );
+            if json {
+                assert_documented(&doc, method, template, status, &body);
+            }
+        }
+    }
+    assert_eq!(probed, 20);
+    // And a route nobody documents is the router's 404.
+    let r = c.get(d.url("/v1/runtime/nothing")).send().await.unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "not_found").await;
+}
+
+/// A sandbox's whole life, every answer checked against the document.
+#[tokio::test]
+async fn openapi_real_answers_fit_the_document() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let (_, doc) = committed_openapi();
+    let check = |method: &str, template: &str, status: u16, body: &Value| {
+        assert_documented(&doc, method, template, status, body)
+    };
+    for (path, template) in [
+        ("/v1/health", "/v1/health"),
+        ("/v1/info", "/v1/info"),
+        ("/v1/runtime/vms", "/v1/runtime/vms"),
+    ] {
+        let r = c.get(d.url(path)).send().await.unwrap();
+        check(
+            "get",
+            template,
+            r.status().as_u16(),
+            &r.json().await.unwrap(),
+        );
+    }
+    let r = post(
+        &c,
+        &d,
+        "/v1/runtime/schedule",
+        json!({"image": "testguest", "cpus": 1, "memoryMb": 128, "metadata": {"k": "v"}}),
+    )
+    .await;
+    let status = r.status().as_u16();
+    let vm: Value = r.json().await.unwrap();
+    assert_eq!(status, 201, "{vm}");
+    check("post", "/v1/runtime/schedule", status, &vm);
+    let id = vm["vmId"].as_str().unwrap();
+    let one = format!("/v1/runtime/vms/{id}");
+    let r = c.get(d.url(&one)).send().await.unwrap();
+    check("get", "/v1/runtime/vms/{id}", 200, &r.json().await.unwrap());
+    let r = c.get(d.url("/v1/runtime/vms")).send().await.unwrap();
+    let list: Value = r.json().await.unwrap();
+    assert_eq!(list["vms"].as_array().unwrap().len(), 1);
+    check("get", "/v1/runtime/vms", 200, &list);
+    // Errors, each documented where it happens.
+    for (method, path, template, body) in [
+        (
+            "post",
+            "/v1/runtime/schedule".to_owned(),
+            "/v1/runtime/schedule",
+            json!({"cpus": 9}),
+        ),
+        (
+            "post",
+            "/v1/runtime/schedule".to_owned(),
+            "/v1/runtime/schedule",
+            json!({"image": "nope"}),
+        ),
+        (
+            "post",
+            format!("{one}/exec"),
+            "/v1/runtime/vms/{id}/exec",
+            json!({"command": "true"}),
+        ),
+        (
+            "post",
+            format!("{one}/exec"),
+            "/v1/runtime/vms/{id}/exec",
+            json!({"command": ""}),
+        ),
+        (
+            "get",
+            format!("{one}/processes"),
+            "/v1/runtime/vms/{id}/processes",
+            Value::Null,
+        ),
+        (
+            "get",
+            format!("{one}/files?path="),
+            "/v1/runtime/vms/{id}/files",
+            Value::Null,
+        ),
+        (
+            "get",
+            format!("{one}/files?path=a&recursive=true"),
+            "/v1/runtime/vms/{id}/files",
+            Value::Null,
+        ),
+    ] {
+        let mut req = c.request(method.to_uppercase().parse().unwrap(), d.url(&path));
+        if !body.is_null() {
+            req = req.json(&body);
+        }
+        let r = req.send().await.unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert!(status >= 400, "{method} {path}: {v}");
+        check(method, template, status, &v);
+    }
+    let r = c.delete(d.url(&one)).send().await.unwrap();
+    check(
+        "delete",
+        "/v1/runtime/vms/{id}",
+        200,
+        &r.json().await.unwrap(),
+    );
+}

@@ -10,8 +10,9 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
 /// A stable error code.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
+#[schema(as = ErrorCode)]
 pub enum Code {
     /// A malformed request (bad query string, bad header).
     BadRequest,
@@ -47,7 +48,7 @@ pub enum Code {
     /// The request is not possible for this kind of sandbox (an exec in the
     /// test guest, which has no agent).
     NotSupported,
-    /// Too many execs at once in one sandbox: retry later.
+    /// The sandbox's agent runs too many execs at once: retry later.
     Busy,
     /// No background process of the sandbox has this id.
     ProcessNotFound,
@@ -100,6 +101,80 @@ impl Code {
         }
     }
 
+    /// Every code, in the order docs/api.md lists them.
+    pub const ALL: [Code; 28] = [
+        Self::BadRequest,
+        Self::InvalidJson,
+        Self::InvalidBody,
+        Self::InvalidValue,
+        Self::UnknownImage,
+        Self::ExecFailed,
+        Self::NotSupported,
+        Self::PathEscape,
+        Self::InvalidPath,
+        Self::NotText,
+        Self::FileError,
+        Self::NotFound,
+        Self::ProcessNotFound,
+        Self::FileNotFound,
+        Self::VmNotFound,
+        Self::MethodNotAllowed,
+        Self::InvalidState,
+        Self::StdinClosed,
+        Self::FileConflict,
+        Self::PermissionDenied,
+        Self::PayloadTooLarge,
+        Self::UnsupportedMediaType,
+        Self::Busy,
+        Self::Internal,
+        Self::BootFailed,
+        Self::AgentUnavailable,
+        Self::WorkerFailed,
+        Self::HostUnsupported,
+    ];
+
+    /// The code's name in answers (`vm_not_found`).
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default()
+    }
+
+    /// What the code means, one line (the OpenAPI document's descriptions).
+    pub fn meaning(self) -> &'static str {
+        match self {
+            Self::BadRequest => "A malformed request: a bad query string or header, an unknown query parameter",
+            Self::InvalidJson => "The body is not JSON (a syntax error, or cut short)",
+            Self::InvalidBody => "JSON of the wrong shape: a wrong type, an unknown or missing field",
+            Self::InvalidValue => "A field's value is out of range (`field` names it)",
+            Self::UnknownImage => "No image of that name is built here (the message lists the images)",
+            Self::ExecFailed => "The agent could not start the command (no such program, bad cwd...)",
+            Self::NotSupported => "Not possible for this sandbox (exec, processes or files in the test guest, which has no agent)",
+            Self::PathEscape => "A file path that leaves /workspace",
+            Self::InvalidPath => "A malformed file path (empty, NUL)",
+            Self::NotText => "File content that is not UTF-8 text",
+            Self::FileError => "Any other refusal of a file operation by the agent",
+            Self::NotFound => "No such route",
+            Self::ProcessNotFound => "No background process of the sandbox has this id",
+            Self::FileNotFound => "No such file or directory in the sandbox",
+            Self::VmNotFound => "No sandbox has this id (also for an id that is not a UUID)",
+            Self::MethodNotAllowed => "The route exists, the method does not (`Allow` says which do)",
+            Self::InvalidState => "Impossible in the sandbox's current state (the message says which)",
+            Self::StdinClosed => "The background process's stdin is closed (or was never open)",
+            Self::FileConflict => "A path of the wrong kind, one that exists, or a directory not empty",
+            Self::PermissionDenied => "The agent may not touch that file",
+            Self::PayloadTooLarge => "The body is over 1 MiB",
+            Self::UnsupportedMediaType => "A body that is not application/json",
+            Self::Busy => "The sandbox's agent runs too many execs at once: retry later",
+            Self::Internal => "A bug or a registry failure",
+            Self::BootFailed => "The sandbox's worker or guest did not come up (the message quotes the console's end)",
+            Self::AgentUnavailable => "The sandbox's agent could not be reached",
+            Self::WorkerFailed => "The sandbox's worker failed a request (a stop)",
+            Self::HostUnsupported => "This host cannot run Linux guests, or the kernel, image or disk template is missing",
+        }
+    }
+
     /// The code an error answer of `status` gets when nothing more precise
     /// made it (axum's own rejections, layers' answers).
     pub fn for_status(status: StatusCode) -> Self {
@@ -134,10 +209,15 @@ impl ApiError {
     /// A bad value of `field`.
     pub fn field(field: &'static str, message: impl Into<String>) -> Self {
         Self {
-            code: Code::InvalidValue,
-            message: message.into(),
             field: Some(field),
+            ..Self::new(Code::InvalidValue, message)
         }
+    }
+
+    /// The same error, blaming `field`.
+    pub fn with_field(mut self, field: &'static str) -> Self {
+        self.field = Some(field);
+        self
     }
 
     pub fn vm_not_found(id: &str) -> Self {
@@ -155,16 +235,23 @@ impl std::fmt::Display for ApiError {
     }
 }
 
-#[derive(Serialize)]
-struct Envelope<'a> {
+/// Every error answer's body.
+#[derive(Serialize, utoipa::ToSchema)]
+#[schema(as = ErrorEnvelope)]
+pub struct Envelope<'a> {
+    #[schema(inline)]
     error: Body<'a>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 struct Body<'a> {
     code: Code,
+    /// For people: clients branch on `code`, never on this.
     message: &'a str,
+    /// The request field to blame, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     field: Option<&'a str>,
 }
 
@@ -206,36 +293,7 @@ mod tests {
 
     #[test]
     fn every_code_has_an_error_status_and_a_snake_case_name() {
-        let codes = [
-            Code::BadRequest,
-            Code::InvalidJson,
-            Code::InvalidBody,
-            Code::InvalidValue,
-            Code::UnsupportedMediaType,
-            Code::PayloadTooLarge,
-            Code::NotFound,
-            Code::MethodNotAllowed,
-            Code::VmNotFound,
-            Code::UnknownImage,
-            Code::InvalidState,
-            Code::HostUnsupported,
-            Code::BootFailed,
-            Code::AgentUnavailable,
-            Code::ExecFailed,
-            Code::WorkerFailed,
-            Code::NotSupported,
-            Code::Busy,
-            Code::ProcessNotFound,
-            Code::StdinClosed,
-            Code::PathEscape,
-            Code::InvalidPath,
-            Code::FileNotFound,
-            Code::FileConflict,
-            Code::PermissionDenied,
-            Code::NotText,
-            Code::FileError,
-            Code::Internal,
-        ];
+        let codes = Code::ALL;
         for c in codes {
             assert!(c.status().as_u16() >= 400, "{c:?}");
             let name = serde_json::to_value(c).unwrap();
@@ -252,5 +310,7 @@ mod tests {
         assert_eq!(Code::for_status(StatusCode::NOT_FOUND), Code::NotFound);
         assert_eq!(Code::for_status(StatusCode::IM_A_TEAPOT), Code::BadRequest);
         assert_eq!(Code::for_status(StatusCode::BAD_GATEWAY), Code::Internal);
+        let names: std::collections::BTreeSet<String> = codes.iter().map(|c| c.name()).collect();
+        assert_eq!(names.len(), codes.len(), "no code twice");
     }
 }

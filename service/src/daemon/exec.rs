@@ -15,9 +15,11 @@ use guest_agent::client::ClientError;
 use guest_agent::protocol::{ErrorCode as AgentCode, Exec};
 use serde::{Deserialize, Serialize};
 use sprout_worker::protocol::WorkerState;
+use utoipa::ToSchema;
 
 use super::error::{chain, ApiError, Code};
 use super::images::TEST_GUEST_IMAGE;
+use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
 use super::routes::{check_env, ApiJson};
 use super::supervisor::describe;
@@ -30,28 +32,36 @@ const MAX_TIMEOUT_MS: i64 = 24 * 3600 * 1000;
 const MAX_ARGS: usize = 4096;
 const MAX_COMMAND: usize = 64 * 1024;
 
-#[derive(Debug, Deserialize)]
+/// A command to run.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(as = ExecRequest)]
 pub struct ExecReq {
     /// The program: a path, or a name looked up in `PATH` (execve-style; for
-    /// a shell line, `/bin/sh` with argv `["-c", LINE]`).
+    /// a shell line, `/bin/sh` with argv `["-c", LINE]`). 1 byte to 64 KiB.
+    #[schema(min_length = 1, max_length = 65536, example = "python3")]
     command: String,
-    /// `argv[1..]`.
+    /// `argv[1..]` (at most 4096).
     #[serde(default)]
+    #[schema(max_items = 4096)]
     argv: Vec<String>,
-    /// On top of the sandbox's own `env`.
+    /// On top of the sandbox's own `env` (the same rules).
     #[serde(default)]
     env: BTreeMap<String, String>,
+    /// The working directory (default: the agent's, `/workspace`).
     cwd: Option<String>,
-    /// Bytes fed to the process's stdin, then end of file.
+    /// Text fed to the process's stdin, then end of file (default:
+    /// `/dev/null`).
     stdin: Option<String>,
     /// `stdin` is base64 (for binary input).
     #[serde(default)]
     stdin_base64: bool,
-    /// Kill the process group after this long (`timedOut` says so).
+    /// Kill the whole process group with SIGKILL after this long
+    /// (`timedOut` says so).
+    #[schema(minimum = 1, maximum = 86400000)]
     timeout_ms: Option<i64>,
     /// Start it as a background process: the answer is `{execId, pid}` at
-    /// once (see [`super::procs`]).
+    /// once (see /processes).
     #[serde(default)]
     background: bool,
     /// Background processes: keep stdin open for `POST .../stdin`.
@@ -59,17 +69,25 @@ pub struct ExecReq {
     stdin_open: bool,
 }
 
-#[derive(Debug, Serialize)]
+/// A buffered exec's answer.
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = ExecResult)]
 pub struct ExecResp {
+    /// At most 1 MiB (the rest is dropped: `stdoutTruncated`).
     stdout: String,
     stderr: String,
     /// `stdout` is base64: the output was not UTF-8.
     stdout_base64: bool,
     stderr_base64: bool,
+    /// Null when a signal ended the process.
+    #[schema(required = true)]
     exit_code: Option<i32>,
+    /// The signal that ended the process, if one did.
+    #[schema(required = true)]
     signal: Option<i32>,
     duration_ms: u64,
+    /// The `timeoutMs` passed and the process group was killed.
     timed_out: bool,
     stdout_truncated: bool,
     stderr_truncated: bool,
@@ -130,6 +148,47 @@ fn check(req: &ExecReq) -> Result<Option<Vec<u8>>, ApiError> {
     }
 }
 
+errors!(
+    ExecErrors = [
+        InvalidJson,
+        InvalidBody,
+        InvalidValue,
+        UnsupportedMediaType,
+        PayloadTooLarge,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        ExecFailed,
+        StdinClosed,
+        ProcessNotFound,
+        Busy,
+        AgentUnavailable,
+    ]
+);
+
+/// Run a command
+///
+/// Runs one command to its end through the sandbox's agent and answers with
+/// its output, buffered (`application/json`), or streamed with `Accept:
+/// text/event-stream`: Server-Sent Events as the output happens, `stdout`
+/// and `stderr` events whose data is an `ExecChunk`, then one `exit`
+/// (`ExecExit`) or one `error` (`ErrorEnvelope`) event; event ids count
+/// from 1. A client that goes away ends a streamed exec (its process group
+/// is killed). With `"background": true` the process starts in the
+/// background and the answer is `201` with its `execId` at once (see
+/// /processes).
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/exec", operation_id = "exec", tag = "exec",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    request_body = ExecReq,
+    responses(
+        (status = 200, description = "The command ran to its end (buffered), or its events \
+            (Accept: text/event-stream)", content(
+            (ExecResp = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 201, description = "A background process started", body = super::procs::Started),
+        ExecErrors,
+    ))]
 pub async fn exec(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
@@ -221,10 +280,13 @@ pub async fn agent_for(
 }
 
 /// What the `exit` event of a streamed exec carries.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
-struct ExitEvent {
+#[schema(as = ExecExit)]
+pub struct ExitEvent {
+    #[schema(required = true)]
     exit_code: Option<i32>,
+    #[schema(required = true)]
     signal: Option<i32>,
     duration_ms: u64,
     timed_out: bool,
@@ -232,11 +294,21 @@ struct ExitEvent {
     stderr_truncated: bool,
 }
 
-/// A `stdout` or `stderr` event's data.
-#[derive(Debug, Serialize)]
-struct Chunk {
+/// A `stdout` or `stderr` event's data (streamed execs and attached
+/// background processes).
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = ExecChunk)]
+pub struct Chunk {
+    /// UTF-8 text, or base64 when `base64`.
     data: String,
+    /// The bytes were not UTF-8 text.
     base64: bool,
+}
+
+impl Chunk {
+    pub fn new(data: String, base64: bool) -> Self {
+        Self { data, base64 }
+    }
 }
 
 /// Splits a stream's bytes into chunks to send: the valid UTF-8 as text,
@@ -455,6 +527,49 @@ fn agent_error(id: uuid::Uuid, e: &ClientError) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::openapi::tests::assert_fits;
+
+    #[test]
+    fn openapi_exec_answers_and_events_fit_their_schemas() {
+        let out = ExecResp {
+            stdout: "hi\n".into(),
+            stderr: String::new(),
+            stdout_base64: false,
+            stderr_base64: false,
+            exit_code: None,
+            signal: Some(9),
+            duration_ms: 3,
+            timed_out: true,
+            stdout_truncated: false,
+            stderr_truncated: false,
+        };
+        assert_fits("ExecResult", &serde_json::to_value(&out).unwrap());
+        let exit = ExitEvent {
+            exit_code: Some(0),
+            signal: None,
+            duration_ms: 1,
+            timed_out: false,
+            stdout_truncated: false,
+            stderr_truncated: true,
+        };
+        assert_fits("ExecExit", &serde_json::to_value(&exit).unwrap());
+        assert_fits(
+            "ExecChunk",
+            &serde_json::to_value(Chunk::new("/w==".into(), true)).unwrap(),
+        );
+    }
+
+    #[test]
+    fn openapi_exec_requests_that_parse_fit_the_request_schema() {
+        for j in [
+            r#"{"command":"ls"}"#,
+            r#"{"command":"sh","argv":["-c","x"],"env":{"A":"1"},"cwd":null,"stdin":"x",
+                "stdinBase64":false,"timeoutMs":5,"background":true,"stdinOpen":true}"#,
+        ] {
+            req(j);
+            assert_fits("ExecRequest", &serde_json::from_str(j).unwrap());
+        }
+    }
 
     fn req(json: &str) -> ExecReq {
         serde_json::from_str(json).unwrap()

@@ -16,9 +16,11 @@ use axum::Json;
 use guest_agent::client::ClientError;
 use guest_agent::protocol::{ErrorCode as AgentCode, FileKind};
 use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, Code};
 use super::exec::{agent_for, failure};
+use super::openapi::errors;
 use super::routes::ApiJson;
 use super::App;
 
@@ -29,31 +31,50 @@ const MAX_ENTRIES: usize = 10_000;
 
 type Vm = axum::extract::Path<String>;
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct PathQuery {
+    /// Relative to /workspace, or absolute beneath it.
     path: String,
-    /// `DELETE`: remove a directory and everything in it.
+}
+
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct RemoveQuery {
+    /// Relative to /workspace, or absolute beneath it.
+    path: String,
+    /// Remove a directory and everything in it.
     #[serde(default)]
     recursive: bool,
 }
 
-fn query(
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<PathQuery, ApiError> {
+type Q<T> = Result<Query<T>, axum::extract::rejection::QueryRejection>;
+
+fn query<T>(q: Q<T>, path: impl Fn(&T) -> &str) -> Result<T, ApiError> {
     let Query(q) = q.map_err(|e| {
         ApiError::new(
             Code::BadRequest,
             format!("Bad query string (path=... is required): {e}"),
         )
     })?;
-    if q.path.is_empty() || q.path.contains('\0') {
+    check_path(path(&q))?;
+    Ok(q)
+}
+
+fn check_path(p: &str) -> Result<(), ApiError> {
+    if p.is_empty() || p.contains('\0') {
         return Err(ApiError::new(
             Code::InvalidPath,
             "path must be a non-empty path without NUL",
         ));
     }
-    Ok(q)
+    Ok(())
+}
+
+fn path_query(q: Q<PathQuery>) -> Result<PathQuery, ApiError> {
+    query(q, |q| &q.path)
 }
 
 /// An agent refusal about a file, as the API tells it.
@@ -81,36 +102,74 @@ async fn file_error(
     ApiError::new(c, format!("{path}: {message}"))
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
+#[schema(as = FileEntry)]
 struct Entry {
     name: String,
     #[serde(rename = "type")]
-    kind: &'static str,
+    kind: EntryType,
+    /// Bytes.
     size: u64,
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+#[schema(as = FileType)]
+enum EntryType {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// A directory's entries.
+#[derive(Serialize, ToSchema)]
+#[schema(as = FileList)]
 pub struct Listing {
     path: String,
+    /// At most 10000.
     entries: Vec<Entry>,
+    /// The directory has more entries than these.
     truncated: bool,
 }
 
-fn kind(k: FileKind) -> &'static str {
+fn kind(k: FileKind) -> EntryType {
     match k {
-        FileKind::File => "file",
-        FileKind::Dir => "dir",
-        FileKind::Symlink => "symlink",
-        FileKind::Other => "other",
+        FileKind::File => EntryType::File,
+        FileKind::Dir => EntryType::Dir,
+        FileKind::Symlink => EntryType::Symlink,
+        FileKind::Other => EntryType::Other,
     }
 }
 
+errors!(
+    ListErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+const VM: &str = "The sandbox's id";
+
+/// List a directory
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}/files", operation_id = "listFiles", tag = "files",
+    params(("id" = String, Path, description = VM), PathQuery),
+    responses((status = 200, description = "The directory's entries", body = Listing), ListErrors))]
 pub async fn list(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    q: Q<PathQuery>,
 ) -> Result<Json<Listing>, ApiError> {
-    let q = query(q)?;
+    let q = path_query(q)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     let all = match agent.list(&q.path).await {
         Ok(v) => v,
@@ -133,12 +192,43 @@ pub async fn list(
     }))
 }
 
+errors!(
+    GetContentErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        NotText,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Read a text file
+///
+/// At most 1 MiB: a longer file is cut (at a character boundary) and the
+/// answer says so with `X-Truncated: true`; content that is not UTF-8 is
+/// `400 not_text` (use /files/raw).
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}/files/content", operation_id = "readFile",
+    tag = "files",
+    params(("id" = String, Path, description = VM), PathQuery),
+    responses(
+        (status = 200, description = "The file's text", body = String,
+            content_type = "text/plain; charset=utf-8",
+            headers(("X-Truncated" = String, description = "`true` when the file is longer than 1 MiB and was cut"))),
+        GetContentErrors,
+    ))]
 pub async fn get_content(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
-    let q = query(q)?;
+    let q = path_query(q)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     // One byte past the limit tells a longer file.
     let read = async {
@@ -181,21 +271,48 @@ pub async fn get_content(
     Ok(resp)
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
+#[schema(as = FileWritten)]
 pub struct Written {
     path: String,
+    /// Bytes written.
     bytes: u64,
 }
 
-/// The body is the file's new content, UTF-8 text of at most [`MAX_TEXT`]
-/// bytes (the request body limit).
+errors!(
+    PutContentErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        NotText,
+        PayloadTooLarge,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Write a text file
+///
+/// The body is the file's new content (created or replaced), UTF-8 text of
+/// at most 1 MiB (more is `413 payload_too_large`).
+#[utoipa::path(put, path = "/v1/runtime/vms/{id}/files/content", operation_id = "writeFile",
+    tag = "files",
+    params(("id" = String, Path, description = VM), PathQuery),
+    request_body(content = String, content_type = "text/plain", description = "UTF-8 text, at most 1 MiB"),
+    responses((status = 200, description = "Written", body = Written), PutContentErrors))]
 pub async fn put_content(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    q: Q<PathQuery>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Json<Written>, ApiError> {
-    let q = query(q)?;
+    let q = path_query(q)?;
     let body = body.map_err(|e| {
         ApiError::new(
             Code::for_status(e.status()),
@@ -218,44 +335,110 @@ pub async fn put_content(
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = MakeDir)]
 pub struct MkdirReq {
+    /// Relative to /workspace, or absolute beneath it.
     path: String,
     /// Make missing parents too.
     #[serde(default)]
     parents: bool,
 }
 
+#[derive(Serialize, ToSchema)]
+#[schema(as = DirMade)]
+pub struct Made {
+    path: String,
+    /// Always true.
+    created: bool,
+}
+
+errors!(
+    MkdirErrors = [
+        InvalidJson,
+        InvalidBody,
+        UnsupportedMediaType,
+        PayloadTooLarge,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Make a directory
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/files/mkdir", operation_id = "mkdir",
+    tag = "files",
+    params(("id" = String, Path, description = VM)),
+    request_body = MkdirReq,
+    responses((status = 200, description = "Made", body = Made), MkdirErrors))]
 pub async fn mkdir(
     State(app): State<Arc<App>>,
     vm: Vm,
     ApiJson(req): ApiJson<MkdirReq>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    if req.path.is_empty() || req.path.contains('\0') {
-        return Err(ApiError::new(
-            Code::InvalidPath,
-            "path must be a non-empty path without NUL",
-        ));
-    }
+) -> Result<Json<Made>, ApiError> {
+    check_path(&req.path)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     match agent.mkdir(&req.path, req.parents).await {
-        Ok(()) => Ok(Json(
-            serde_json::json!({ "path": req.path, "created": true }),
-        )),
+        Ok(()) => Ok(Json(Made {
+            path: req.path,
+            created: true,
+        })),
         Err(e) => Err(file_error(&app, &s, &req.path, e).await),
     }
 }
 
+#[derive(Serialize, ToSchema)]
+#[schema(as = FileDeleted)]
+pub struct Removed {
+    path: String,
+    /// Always true.
+    deleted: bool,
+}
+
+errors!(
+    RemoveErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Delete a file or directory
+///
+/// A directory that is not empty needs `recursive=true` (else `409
+/// file_conflict`).
+#[utoipa::path(delete, path = "/v1/runtime/vms/{id}/files", operation_id = "deleteFile",
+    tag = "files",
+    params(("id" = String, Path, description = VM), RemoveQuery),
+    responses((status = 200, description = "Deleted", body = Removed), RemoveErrors))]
 pub async fn remove(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let q = query(q)?;
+    q: Q<RemoveQuery>,
+) -> Result<Json<Removed>, ApiError> {
+    let q = query(q, |q| &q.path)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     match agent.remove(&q.path, q.recursive).await {
-        Ok(()) => Ok(Json(serde_json::json!({ "path": q.path, "deleted": true }))),
+        Ok(()) => Ok(Json(Removed {
+            path: q.path,
+            deleted: true,
+        })),
         Err(e) => Err(file_error(&app, &s, &q.path, e).await),
     }
 }
@@ -263,14 +446,38 @@ pub async fn remove(
 /// Bytes of a raw transfer buffered between HTTP and the agent.
 const RAW_PIPE: usize = 256 * 1024;
 
-/// `GET /vms/{id}/files/raw?path=`: the file's bytes, streamed as the agent
-/// sends them (no size cap; never held whole here).
+errors!(
+    GetRawErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Download a file
+///
+/// The file's bytes, streamed as the agent sends them: no size cap, never
+/// held whole in sproutd. A transfer that fails part way cuts the
+/// connection (the body ends early).
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}/files/raw", operation_id = "readRaw",
+    tag = "files",
+    params(("id" = String, Path, description = VM), PathQuery),
+    responses((status = 200, description = "The file's bytes", body = [u8],
+        content_type = "application/octet-stream"), GetRawErrors))]
 pub async fn get_raw(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
-    let q = query(q)?;
+    let q = path_query(q)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     // The first chunk tells a missing file or an escape from a good start.
     let first = async {
@@ -297,16 +504,39 @@ pub async fn get_raw(
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
-/// `PUT /vms/{id}/files/raw?path=`: the request body streamed into the
-/// file (created or truncated), with no size cap; a body that fails part
-/// way removes the file.
+errors!(
+    PutRawErrors = [
+        BadRequest,
+        InvalidPath,
+        PathEscape,
+        FileNotFound,
+        FileConflict,
+        PermissionDenied,
+        FileError,
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        AgentUnavailable,
+    ]
+);
+
+/// Upload a file
+///
+/// The request body streamed into the file (created or replaced), with no
+/// size cap (the 1 MiB body limit does not apply here); a body that fails
+/// part way removes the file (`400 bad_request`).
+#[utoipa::path(put, path = "/v1/runtime/vms/{id}/files/raw", operation_id = "writeRaw",
+    tag = "files",
+    params(("id" = String, Path, description = VM), PathQuery),
+    request_body(content = [u8], content_type = "application/octet-stream", description = "The file's bytes"),
+    responses((status = 200, description = "Written", body = Written), PutRawErrors))]
 pub async fn put_raw(
     State(app): State<Arc<App>>,
     vm: Vm,
-    q: Result<Query<PathQuery>, axum::extract::rejection::QueryRejection>,
+    q: Q<PathQuery>,
     body: axum::body::Body,
 ) -> Result<Json<Written>, ApiError> {
-    let q = query(q)?;
+    let q = path_query(q)?;
     let (s, agent) = agent_for(&app, &vm).await?;
     let (mut rd, mut wr) = tokio::io::duplex(RAW_PIPE);
     let feeder = tokio::spawn(async move {
@@ -345,5 +575,61 @@ pub async fn put_raw(
                 format!("The upload of {} failed part way: {why}", q.path),
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::daemon::openapi::tests::assert_fits;
+
+    #[test]
+    fn openapi_file_answers_fit_their_schemas() {
+        let l = Listing {
+            path: "d".into(),
+            entries: vec![
+                Entry {
+                    name: "a".into(),
+                    kind: kind(FileKind::File),
+                    size: 5,
+                },
+                Entry {
+                    name: "b".into(),
+                    kind: kind(FileKind::Symlink),
+                    size: 0,
+                },
+            ],
+            truncated: false,
+        };
+        let v = serde_json::to_value(&l).unwrap();
+        assert_eq!(v["entries"][1]["type"], "symlink");
+        assert_fits("FileList", &v);
+        let w = Written {
+            path: "a".into(),
+            bytes: 5,
+        };
+        assert_fits("FileWritten", &serde_json::to_value(&w).unwrap());
+        let m = Made {
+            path: "d".into(),
+            created: true,
+        };
+        assert_fits("DirMade", &serde_json::to_value(&m).unwrap());
+        let r = Removed {
+            path: "d".into(),
+            deleted: true,
+        };
+        assert_fits("FileDeleted", &serde_json::to_value(&r).unwrap());
+        let j = r#"{"path":"d/e","parents":true}"#;
+        serde_json::from_str::<MkdirReq>(j).unwrap();
+        assert_fits("MakeDir", &serde_json::from_str(j).unwrap());
+    }
+
+    #[test]
+    fn only_delete_takes_recursive() {
+        let q = |s: &str| axum::extract::Query::<PathQuery>::try_from_uri(&s.parse().unwrap());
+        assert!(q("/x?path=a").is_ok());
+        assert!(q("/x?path=a&recursive=true").is_err());
+        let r = |s: &str| axum::extract::Query::<RemoveQuery>::try_from_uri(&s.parse().unwrap());
+        assert!(r("/x?path=a&recursive=true").unwrap().recursive);
     }
 }

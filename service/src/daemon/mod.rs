@@ -15,6 +15,7 @@ mod files;
 mod images;
 mod lab;
 mod metrics;
+pub mod openapi;
 mod procs;
 pub mod registry;
 mod routes;

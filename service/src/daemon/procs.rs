@@ -17,9 +17,11 @@ use base64::Engine as _;
 use guest_agent::client::{ClientError, ProcEvent};
 use guest_agent::protocol::{ErrorCode as AgentCode, Exec, StdinMode, StreamKind};
 use serde::{Deserialize, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, Code};
-use super::exec::{agent_for, failure, sse_response};
+use super::exec::{agent_for, failure, sse_response, Chunk};
+use super::openapi::errors;
 use super::routes::ApiJson;
 use super::App;
 
@@ -27,10 +29,14 @@ use super::App;
 /// is the backpressure beyond it).
 const STREAM_BUFFER: usize = 64;
 
-#[derive(Serialize)]
+/// A background process, started.
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = ProcessStarted)]
 pub struct Started {
+    /// Its id in the sandbox's agent (for /processes/{execId}).
     exec_id: u64,
+    /// Its pid in the guest.
     pid: u32,
 }
 
@@ -114,15 +120,21 @@ fn exec_id(raw: &str) -> Result<u64, ApiError> {
     })
 }
 
-#[derive(Serialize)]
+/// A background process.
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = Process)]
 struct ProcView {
     exec_id: u64,
     pid: u32,
+    /// The command line, for people.
     command: String,
     running: bool,
+    /// Null while it runs.
+    #[schema(required = true)]
     exit: Option<ExitView>,
-    /// By the guest's clock.
+    /// By the guest's clock (RFC 3339 UTC with milliseconds).
+    #[schema(format = DateTime)]
     started_at: String,
     stdin_open: bool,
     /// The oldest event kept (replay starts there at the earliest) and the
@@ -133,10 +145,14 @@ struct ProcView {
     dropped_bytes: u64,
 }
 
-#[derive(Serialize)]
+/// How a background process ended (also its `exit` event's data).
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = ProcessExit)]
 struct ExitView {
+    #[schema(required = true)]
     exit_code: Option<i32>,
+    #[schema(required = true)]
     signal: Option<i32>,
     duration_ms: u64,
     timed_out: bool,
@@ -153,11 +169,29 @@ impl From<&guest_agent::protocol::Exit> for ExitView {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
+#[schema(as = ProcessList)]
 pub struct ProcList {
     processes: Vec<ProcView>,
 }
 
+errors!(
+    ListErrors = [
+        VmNotFound,
+        NotSupported,
+        InvalidState,
+        ExecFailed,
+        AgentUnavailable
+    ]
+);
+
+/// List background processes
+///
+/// The agent keeps the running ones and the most recently finished.
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}/processes", operation_id = "listProcesses",
+    tag = "processes",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    responses((status = 200, description = "The background processes", body = ProcList), ListErrors))]
 pub async fn list(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
@@ -189,19 +223,59 @@ pub async fn list(
     Ok(Json(ProcList { processes }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[into_params(parameter_in = Query)]
 pub struct EventsQuery {
-    /// For clients that cannot set `Last-Event-ID` (the header wins).
+    /// Replay the kept events after this id, for clients that cannot set
+    /// `Last-Event-ID` (the header wins).
     last_event_id: Option<u64>,
 }
 
-#[derive(Serialize)]
-struct Chunk {
-    data: String,
-    base64: bool,
+/// A `gap` event's data: events the agent's ring dropped before this
+/// reader got them.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = ProcessGap)]
+pub struct GapEvent {
+    first_event_id: u64,
+    last_event_id: u64,
+    /// The bytes of output dropped, when the agent knows.
+    #[schema(required = true)]
+    bytes: Option<u64>,
 }
 
+errors!(
+    EventsErrors = [
+        BadRequest,
+        VmNotFound,
+        ProcessNotFound,
+        NotSupported,
+        InvalidState,
+        ExecFailed,
+        AgentUnavailable,
+    ]
+);
+
+/// Attach to a background process
+///
+/// Server-Sent Events: the kept events after `Last-Event-ID` (all kept
+/// events without it), then live ones to the exit. Events: `stdout` and
+/// `stderr` (`ExecChunk`: text when the chunk is UTF-8, else base64), `gap`
+/// (`ProcessGap`), one `exit` (`ProcessExit`), or `error`
+/// (`ErrorEnvelope`). Each event's id is the agent's sequence number, so a
+/// client that reconnects with the last id it saw misses nothing the ring
+/// still holds. Dropping the stream ends the attach only.
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}/processes/{execId}/events",
+    operation_id = "processEvents", tag = "processes",
+    params(
+        ("id" = String, Path, description = "The sandbox's id"),
+        ("execId" = u64, Path, description = "The process's execId"),
+        ("Last-Event-ID" = Option<u64>, Header, description = "Replay the kept events after this id"),
+        EventsQuery,
+    ),
+    responses((status = 200, description = "The process's events", body = String,
+        content_type = "text/event-stream"), EventsErrors))]
 pub async fn events(
     State(app): State<Arc<App>>,
     Path((id, exec)): Path<(String, String)>,
@@ -238,14 +312,11 @@ pub async fn events(
                         StreamKind::Stderr => "stderr",
                     };
                     let c = match String::from_utf8(data) {
-                        Ok(t) => Chunk {
-                            data: t,
-                            base64: false,
-                        },
-                        Err(e) => Chunk {
-                            data: base64::engine::general_purpose::STANDARD.encode(e.as_bytes()),
-                            base64: true,
-                        },
+                        Ok(t) => Chunk::new(t, false),
+                        Err(e) => Chunk::new(
+                            base64::engine::general_purpose::STANDARD.encode(e.as_bytes()),
+                            true,
+                        ),
                     };
                     Event::default()
                         .event(name)
@@ -260,9 +331,11 @@ pub async fn events(
                 })) => Event::default()
                     .event("gap")
                     .id(last_seq.to_string())
-                    .json_data(serde_json::json!({
-                        "firstEventId": first_seq, "lastEventId": last_seq, "bytes": bytes
-                    }))
+                    .json_data(GapEvent {
+                        first_event_id: first_seq,
+                        last_event_id: last_seq,
+                        bytes,
+                    })
                     .unwrap_or_default(),
                 Ok(Some(ProcEvent::Exit { seq, exit })) => {
                     let ev = Event::default()
@@ -292,9 +365,11 @@ pub async fn events(
     Ok(sse_response(rx))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(as = StdinWrite)]
 pub struct StdinReq {
+    /// Written to the process's stdin (waiting while it does not read).
     #[serde(default)]
     data: String,
     /// `data` is base64.
@@ -305,13 +380,43 @@ pub struct StdinReq {
     close: bool,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = StdinWritten)]
 pub struct StdinDone {
     bytes: usize,
     closed: bool,
 }
 
+errors!(
+    StdinErrors = [
+        InvalidJson,
+        InvalidBody,
+        InvalidValue,
+        UnsupportedMediaType,
+        PayloadTooLarge,
+        VmNotFound,
+        ProcessNotFound,
+        StdinClosed,
+        NotSupported,
+        InvalidState,
+        ExecFailed,
+        AgentUnavailable,
+    ]
+);
+
+/// Write to a background process's stdin
+///
+/// For a process started with `"stdinOpen": true`; `close` closes its stdin
+/// after `data` (the process reads end of file).
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/processes/{execId}/stdin",
+    operation_id = "processStdin", tag = "processes",
+    params(
+        ("id" = String, Path, description = "The sandbox's id"),
+        ("execId" = u64, Path, description = "The process's execId"),
+    ),
+    request_body(content = Option<StdinReq>, description = "Empty counts as `{}`"),
+    responses((status = 200, description = "Written", body = StdinDone), StdinErrors))]
 pub async fn stdin(
     State(app): State<Arc<App>>,
     Path((id, exec)): Path<(String, String)>,
@@ -344,18 +449,30 @@ pub async fn stdin(
     }))
 }
 
-#[derive(Deserialize)]
+/// A signal: a number 1-64, or a name (HUP, INT, QUIT, KILL, USR1, USR2,
+/// TERM, CONT, STOP, with or without `SIG`).
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
 pub enum Signal {
     Number(i64),
     Name(String),
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(as = SignalSend)]
 pub struct SignalReq {
-    /// A number, or a name with or without `SIG` (default `TERM`).
+    /// Default `TERM`.
     signal: Option<Signal>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = SignalSent)]
+pub struct Signalled {
+    exec_id: u64,
+    /// The signal's number.
+    signal: i32,
 }
 
 /// The signals a name may give.
@@ -399,22 +516,108 @@ fn signal_number(s: &Option<Signal>) -> Result<i32, ApiError> {
     }
 }
 
+errors!(
+    SignalErrors = [
+        InvalidJson,
+        InvalidBody,
+        InvalidValue,
+        UnsupportedMediaType,
+        PayloadTooLarge,
+        VmNotFound,
+        ProcessNotFound,
+        NotSupported,
+        InvalidState,
+        ExecFailed,
+        AgentUnavailable,
+    ]
+);
+
+/// Signal a background process
+///
+/// The signal reaches its whole process group.
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/processes/{execId}/signal",
+    operation_id = "processSignal", tag = "processes",
+    params(
+        ("id" = String, Path, description = "The sandbox's id"),
+        ("execId" = u64, Path, description = "The process's execId"),
+    ),
+    request_body(content = Option<SignalReq>, description = "Empty counts as `{}` (TERM)"),
+    responses((status = 200, description = "Signalled", body = Signalled), SignalErrors))]
 pub async fn signal(
     State(app): State<Arc<App>>,
     Path((id, exec)): Path<(String, String)>,
     ApiJson(req): ApiJson<SignalReq>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Signalled>, ApiError> {
     let exec = exec_id(&exec)?;
     let sig = signal_number(&req.signal)?;
     let (s, agent) = agent_for(&app, &id).await?;
     agent.kill(exec, sig).await.map_err(|e| proc_error(&e))?;
     tracing::info!(vm = %s.id, exec_id = exec, signal = sig, "signalled");
-    Ok(Json(serde_json::json!({ "execId": exec, "signal": sig })))
+    Ok(Json(Signalled {
+        exec_id: exec,
+        signal: sig,
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::openapi::tests::assert_fits;
+
+    #[test]
+    fn openapi_process_answers_and_events_fit_their_schemas() {
+        let exit = ExitView {
+            exit_code: None,
+            signal: Some(15),
+            duration_ms: 2,
+            timed_out: false,
+        };
+        assert_fits("ProcessExit", &serde_json::to_value(&exit).unwrap());
+        let list = ProcList {
+            processes: vec![ProcView {
+                exec_id: 7,
+                pid: 55,
+                command: "/bin/sh -c x".into(),
+                running: false,
+                exit: Some(exit),
+                started_at: "2026-12-01T14:19:59.122Z".into(),
+                stdin_open: false,
+                first_event_id: 1,
+                next_event_id: 4,
+                dropped_events: 0,
+                dropped_bytes: 0,
+            }],
+        };
+        assert_fits("ProcessList", &serde_json::to_value(&list).unwrap());
+        let started = Started {
+            exec_id: 7,
+            pid: 55,
+        };
+        assert_fits("ProcessStarted", &serde_json::to_value(&started).unwrap());
+        let gap = GapEvent {
+            first_event_id: 2,
+            last_event_id: 9,
+            bytes: None,
+        };
+        assert_fits("ProcessGap", &serde_json::to_value(&gap).unwrap());
+        let done = StdinDone {
+            bytes: 6,
+            closed: true,
+        };
+        assert_fits("StdinWritten", &serde_json::to_value(&done).unwrap());
+        let sent = Signalled {
+            exec_id: 7,
+            signal: 15,
+        };
+        assert_fits("SignalSent", &serde_json::to_value(&sent).unwrap());
+        for j in [r#"{}"#, r#"{"signal":9}"#, r#"{"signal":"TERM"}"#] {
+            serde_json::from_str::<SignalReq>(j).unwrap();
+            assert_fits("SignalSend", &serde_json::from_str(j).unwrap());
+        }
+        let j = r#"{"data":"aGk=","base64":true,"close":true}"#;
+        serde_json::from_str::<StdinReq>(j).unwrap();
+        assert_fits("StdinWrite", &serde_json::from_str(j).unwrap());
+    }
 
     #[test]
     fn signals_are_numbers_or_names() {

@@ -78,8 +78,9 @@ pub enum RegistryError {
 
 /// A sandbox's state (DESIGN.md's rest states; the transitions between them
 /// are the API's business, not the registry's).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
+#[schema(as = VmState)]
 pub enum State {
     /// Its worker is being started and its guest booted.
     Starting,
@@ -169,10 +170,11 @@ pub struct Sandbox {
 }
 
 /// An image found on disk.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Image {
     pub name: String,
+    #[schema(value_type = String)]
     pub path: PathBuf,
     pub size_bytes: u64,
 }

@@ -9,65 +9,56 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::TraceLayer;
+use utoipa::{OpenApi as _, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::error::{ApiError, Code};
 use super::images::TEST_GUEST_IMAGE;
+use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
 use super::supervisor::BootError;
 use super::{lock, now_ms, App, MAX_BODY};
 
 type AppState = State<Arc<App>>;
 
-pub fn router(app: Arc<App>) -> Router {
-    let runtime = Router::new()
-        .route("/schedule", post(schedule))
-        .route("/vms", get(list))
-        .route("/vms/{id}", get(get_vm).delete(delete_vm))
-        .route("/vms/{id}/exec", post(super::exec::exec))
-        .route(
-            "/vms/{id}/files",
-            get(super::files::list).delete(super::files::remove),
-        )
-        .route(
-            "/vms/{id}/files/content",
-            get(super::files::get_content).put(super::files::put_content),
-        )
-        .route("/vms/{id}/files/mkdir", post(super::files::mkdir))
-        .route("/vms/{id}/processes", get(super::procs::list))
-        .route(
-            "/vms/{id}/processes/{exec_id}/events",
-            get(super::procs::events),
-        )
-        .route(
-            "/vms/{id}/processes/{exec_id}/stdin",
-            post(super::procs::stdin),
-        )
-        .route(
-            "/vms/{id}/processes/{exec_id}/signal",
-            post(super::procs::signal),
-        );
-    // Raw files stream with no cap; every other body is limited.
-    let raw = Router::new().route(
-        "/v1/runtime/vms/{id}/files/raw",
-        get(super::files::get_raw).put(super::files::put_raw),
-    );
-    let limited = Router::new()
-        .route("/v1/health", get(health))
-        .route("/v1/info", get(info))
-        .route("/metrics", get(metrics))
-        .nest("/v1/runtime", runtime)
+/// Every endpoint with its documentation: the router and the OpenAPI
+/// document ([`super::openapi`]) are both made from this one list, so no
+/// route is served undocumented. Raw files stream with no cap; every other
+/// body is limited to [`MAX_BODY`].
+pub fn api() -> OpenApiRouter<Arc<App>> {
+    use super::{exec, files, procs};
+    let limited = OpenApiRouter::with_openapi(super::openapi::ApiDoc::openapi())
+        .routes(routes!(health))
+        .routes(routes!(info))
+        .routes(routes!(openapi_json))
+        .routes(routes!(metrics))
+        .routes(routes!(schedule))
+        .routes(routes!(list))
+        .routes(routes!(get_vm, delete_vm))
+        .routes(routes!(exec::exec))
+        .routes(routes!(files::list, files::remove))
+        .routes(routes!(files::get_content, files::put_content))
+        .routes(routes!(files::mkdir))
+        .routes(routes!(procs::list))
+        .routes(routes!(procs::events))
+        .routes(routes!(procs::stdin))
+        .routes(routes!(procs::signal))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY));
-    limited
-        .merge(raw)
-        .fallback(not_found)
+    let raw = OpenApiRouter::new().routes(routes!(files::get_raw, files::put_raw));
+    limited.merge(raw)
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    let (api, _) = api().split_for_parts();
+    api.fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
@@ -98,6 +89,20 @@ async fn count(State(app): AppState, req: Request, next: axum::middleware::Next)
     resp
 }
 
+errors!(MetricsErrors = []);
+
+/// Prometheus metrics
+///
+/// Text format 0.0.4: `sproutd_sandboxes{state}` (read from the registry at
+/// each scrape), `sproutd_http_requests_total{route,method,status}` (by
+/// route template, `unmatched` for unknown routes), the histograms
+/// `sproutd_create_seconds` and `sproutd_exec_seconds`.
+#[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "service",
+    responses(
+        (status = 200, description = "The metrics", body = String,
+            content_type = "text/plain; version=0.0.4; charset=utf-8"),
+        MetricsErrors,
+    ))]
 async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
     let all = app.db(|r| r.list_sandboxes()).await?;
     let by_state: Vec<(&str, u64)> = VmState::ALL
@@ -109,12 +114,13 @@ async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
             )
         })
         .collect();
+    let text = app.metrics.render(&by_state);
     Ok((
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        app.metrics.render(&by_state),
+        text,
     )
         .into_response())
 }
@@ -225,35 +231,61 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     }
 }
 
-async fn health() -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "status": "ok" }))
+#[derive(Serialize, ToSchema)]
+struct Health {
+    #[schema(example = "ok")]
+    status: &'static str,
 }
 
-#[derive(Serialize)]
+errors!(HealthErrors = []);
+
+/// Liveness: `{"status": "ok"}` while sproutd serves
+#[utoipa::path(get, path = "/v1/health", operation_id = "health", tag = "service",
+    responses((status = 200, description = "sproutd serves", body = Health), HealthErrors))]
+async fn health() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct Info {
+    /// sproutd's version.
     version: &'static str,
     host_mode: HostModeView,
+    /// The images a sandbox can be made from.
     images: Vec<super::registry::Image>,
     data_dir: String,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = HostMode)]
 struct HostModeView {
     /// Whether this host's KVM runs Linux guests (hardware virtualization,
     /// or the emulated lab).
     linux_guests: bool,
+    /// Why not, when not.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     reason: Option<String>,
     /// Whether this sproutd runs inside the emulated lab (for a host that
     /// cannot run Linux guests itself).
     lab: bool,
     /// In the lab: that latencies there are emulated.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     note: Option<&'static str>,
 }
 
+errors!(InfoErrors = []);
+
+/// The version, the host mode and the images
+///
+/// Images are found at start in `<cache>/images/NAME.ext4` (the cache is
+/// `$SPROUT_CACHE` or `~/.cache/sprout`); `testguest` is there when the test
+/// guest is built.
+#[utoipa::path(get, path = "/v1/info", operation_id = "info", tag = "service",
+    responses((status = 200, description = "What this sproutd is", body = Info), InfoErrors))]
 async fn info(State(app): AppState) -> Json<Info> {
     Json(Info {
         version: env!("CARGO_PKG_VERSION"),
@@ -268,17 +300,46 @@ async fn info(State(app): AppState) -> Json<Info> {
     })
 }
 
-/// `POST /v1/runtime/schedule`. Numbers are read wide so that a value out
-/// of range is told as such, naming its field.
-#[derive(Debug, Default, Deserialize)]
+errors!(OpenapiErrors = []);
+
+/// This document (OpenAPI 3.1), as docs/openapi.json has it
+#[utoipa::path(get, path = "/v1/openapi.json", operation_id = "openapi", tag = "service",
+    responses((status = 200, description = "The OpenAPI document", body = Object,
+        content_type = "application/json"), OpenapiErrors))]
+async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        super::openapi::json(),
+    )
+        .into_response()
+}
+
+// Numbers are read wide so that a value out of range is told as such,
+// naming its field.
+/// A sandbox to create; every field is optional.
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+#[schema(as = ScheduleRequest)]
 struct ScheduleReq {
+    /// An image `/v1/info` lists.
+    #[schema(default = "default", example = "default")]
     image: Option<String>,
+    #[schema(minimum = 1, maximum = 4, default = 2)]
     cpus: Option<i64>,
+    #[schema(minimum = 128, maximum = 8192, default = 1024)]
     memory_mb: Option<i64>,
+    /// Stored and shown; enforced by a later issue (sandboxes have no
+    /// network yet).
+    #[schema(default = false)]
     disable_internet: Option<bool>,
+    /// Stored and shown; enforced by a later issue.
+    #[schema(minimum = 1, maximum = 2592000)]
     idle_timeout_secs: Option<i64>,
+    /// The base environment of every exec in the sandbox (at most 256
+    /// variables, 32 KiB; names without `=` or NUL, not starting with a
+    /// digit). Not shown back.
     env: Option<BTreeMap<String, String>>,
+    /// At most 64 keys of 1-128 bytes, values up to 1024 bytes.
     metadata: Option<BTreeMap<String, String>>,
 }
 
@@ -360,22 +421,35 @@ fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
 }
 
 /// A sandbox as the API shows it.
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
+#[schema(as = Vm)]
 pub struct VmView {
+    /// Issued by sproutd.
     vm_id: Uuid,
     state: VmState,
     image: String,
     cpus: u8,
     memory_mb: u32,
     disable_internet: bool,
+    #[schema(required = true)]
     idle_timeout_secs: Option<u32>,
     metadata: BTreeMap<String, String>,
+    /// RFC 3339 UTC with milliseconds.
+    #[schema(format = DateTime)]
     created_at: String,
+    /// Null until snapshots come.
+    #[schema(required = true)]
     snapshot_id: Option<Uuid>,
+    /// Null until forks come.
+    #[schema(required = true)]
     parent_vm_id: Option<Uuid>,
+    /// Why, when `failed`.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
     failure_reason: Option<String>,
+    /// The sandbox's worker process, once started.
+    #[schema(required = true)]
     worker_pid: Option<u32>,
 }
 
@@ -400,6 +474,29 @@ impl From<Sandbox> for VmView {
     }
 }
 
+errors!(
+    ScheduleErrors = [
+        InvalidJson,
+        InvalidBody,
+        InvalidValue,
+        UnknownImage,
+        UnsupportedMediaType,
+        PayloadTooLarge,
+        HostUnsupported,
+        BootFailed,
+    ]
+);
+
+/// Create a sandbox
+///
+/// Answers once it runs: its worker process is started, its VM booted from
+/// the image (read-only) with a private writable disk, and, for a Linux
+/// image, its agent answers. Every field is optional. The boot goes on if
+/// the client goes away; a sandbox that fails to start stays listed as
+/// `failed` with its `failureReason`, and the answer is `502 boot_failed`.
+#[utoipa::path(post, path = "/v1/runtime/schedule", operation_id = "schedule", tag = "sandboxes",
+    request_body(content = Option<ScheduleReq>, description = "Empty counts as `{}`"),
+    responses((status = 201, description = "The sandbox, running", body = VmView), ScheduleErrors))]
 async fn schedule(
     State(app): AppState,
     ApiJson(req): ApiJson<ScheduleReq>,
@@ -418,9 +515,9 @@ async fn schedule(
     check_metadata(&metadata)?;
     let Some(img) = app.images.iter().find(|i| i.name == image).cloned() else {
         let known: Vec<&str> = app.images.iter().map(|i| i.name.as_str()).collect();
-        return Err(ApiError {
-            code: Code::UnknownImage,
-            message: format!(
+        return Err(ApiError::new(
+            Code::UnknownImage,
+            format!(
                 "No image {image:?} is built here (images: {})",
                 if known.is_empty() {
                     "none".to_owned()
@@ -428,8 +525,8 @@ async fn schedule(
                     known.join(", ")
                 }
             ),
-            field: Some("image"),
-        });
+        )
+        .with_field("image"));
     };
     if image != TEST_GUEST_IMAGE && !app.host.linux_guests {
         return Err(ApiError::new(
@@ -547,11 +644,21 @@ async fn stop_quietly(app: &Arc<App>, id: Uuid) {
     .await;
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 struct VmList {
+    /// Oldest first.
     vms: Vec<VmView>,
 }
 
+errors!(ListErrors = [BadRequest]);
+
+/// List sandboxes
+///
+/// Every sandbox, oldest first. Filter by metadata with `metadata.KEY=VALUE`
+/// query parameters (repeatable; all must match), e.g.
+/// `?metadata.team=infra`. Any other parameter is `400 bad_request`.
+#[utoipa::path(get, path = "/v1/runtime/vms", operation_id = "listVms", tag = "sandboxes",
+    responses((status = 200, description = "The sandboxes", body = VmList), ListErrors))]
 async fn list(
     State(app): AppState,
     query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
@@ -582,17 +689,35 @@ async fn list(
     Ok(Json(VmList { vms }))
 }
 
+errors!(GetVmErrors = [VmNotFound]);
+
+/// Get a sandbox
+#[utoipa::path(get, path = "/v1/runtime/vms/{id}", operation_id = "getVm", tag = "sandboxes",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    responses((status = 200, description = "The sandbox", body = VmView), GetVmErrors))]
 async fn get_vm(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmView>, ApiError> {
     Ok(Json(app.sandbox(&id).await?.into()))
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 struct Deleted {
     vm_id: Uuid,
+    /// Always true.
     deleted: bool,
 }
 
+errors!(DeleteVmErrors = [VmNotFound, InvalidState, WorkerFailed]);
+
+/// Delete a sandbox
+///
+/// Stops the sandbox's worker (the VM ends), waits for it to exit, removes
+/// the sandbox's files and its record. `409 invalid_state` while it is
+/// `starting`; `502 worker_failed` if the worker would not exit (the
+/// sandbox is then `failed`).
+#[utoipa::path(delete, path = "/v1/runtime/vms/{id}", operation_id = "deleteVm", tag = "sandboxes",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    responses((status = 200, description = "Deleted", body = Deleted), DeleteVmErrors))]
 async fn delete_vm(
     State(app): AppState,
     Path(id): Path<String>,
