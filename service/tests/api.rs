@@ -21,6 +21,10 @@ struct Daemon {
 
 impl Daemon {
     fn start(data_dir: &Path) -> Daemon {
+        Self::start_with(data_dir, &[])
+    }
+
+    fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -29,6 +33,7 @@ impl Daemon {
         let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
             .args(["--no-lab", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()
@@ -1022,4 +1027,66 @@ async fn openapi_real_answers_fit_the_document() {
         200,
         &r.json().await.unwrap(),
     );
+}
+
+#[tokio::test]
+async fn exec_limits_are_flags_that_info_shows() {
+    let (_t, dir) = data_dir();
+    let d = Daemon::start_with(&dir, &["--max-execs-per-vm", "3", "--max-execs", "5"]);
+    let info: Value = Client::new()
+        .get(d.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        info["execLimits"],
+        json!({"maxExecsPerVm": 3, "maxExecs": 5, "inFlight": 0})
+    );
+    let metrics = Client::new()
+        .get(d.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "sproutd_execs_in_flight 0",
+        "sproutd_execs_refused_total{limit=\"sandbox\"} 0",
+        "sproutd_execs_refused_total{limit=\"global\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    // Defaults, and a limit of 0 is refused with the reason.
+    let (_t2, dir2) = data_dir();
+    let d2 = Daemon::start(&dir2);
+    let info: Value = Client::new()
+        .get(d2.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info["execLimits"]["maxExecsPerVm"], 32);
+    assert_eq!(info["execLimits"]["maxExecs"], 128);
+    let (_t3, dir3) = data_dir();
+    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .args([
+            "--no-lab",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-execs",
+            "0",
+            "--data-dir",
+        ])
+        .arg(&dir3)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--max-execs"), "{err}");
 }

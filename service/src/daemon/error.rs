@@ -50,6 +50,9 @@ pub enum Code {
     NotSupported,
     /// The sandbox's agent runs too many execs at once: retry later.
     Busy,
+    /// sproutd's own exec concurrency limit (per sandbox, or for the whole
+    /// service) is reached: retry after `Retry-After` seconds.
+    TooManyRequests,
     /// No background process of the sandbox has this id.
     ProcessNotFound,
     /// The background process's stdin is closed (or was never open).
@@ -87,7 +90,7 @@ impl Code {
             Self::FileNotFound => StatusCode::NOT_FOUND,
             Self::FileConflict => StatusCode::CONFLICT,
             Self::PermissionDenied => StatusCode::FORBIDDEN,
-            Self::Busy => StatusCode::TOO_MANY_REQUESTS,
+            Self::Busy | Self::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound | Self::VmNotFound | Self::ProcessNotFound => StatusCode::NOT_FOUND,
@@ -102,7 +105,7 @@ impl Code {
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 28] = [
+    pub const ALL: [Code; 29] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -126,6 +129,7 @@ impl Code {
         Self::PayloadTooLarge,
         Self::UnsupportedMediaType,
         Self::Busy,
+        Self::TooManyRequests,
         Self::Internal,
         Self::BootFailed,
         Self::AgentUnavailable,
@@ -166,7 +170,8 @@ impl Code {
             Self::PermissionDenied => "The agent may not touch that file",
             Self::PayloadTooLarge => "The body is over 1 MiB",
             Self::UnsupportedMediaType => "A body that is not application/json",
-            Self::Busy => "The sandbox's agent runs too many execs at once: retry later",
+            Self::Busy => "The sandbox's agent runs too many execs at once: retry after `Retry-After` seconds",
+            Self::TooManyRequests => "sproutd's exec limit (per sandbox or for the service) is reached: retry after `Retry-After` seconds",
             Self::Internal => "A bug or a registry failure",
             Self::BootFailed => "The sandbox's worker or guest did not come up (the message quotes the console's end)",
             Self::AgentUnavailable => "The sandbox's agent could not be reached",
@@ -183,6 +188,7 @@ impl Code {
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed,
             StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge,
             StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::UnsupportedMediaType,
+            StatusCode::TOO_MANY_REQUESTS => Self::TooManyRequests,
             s if s.is_client_error() => Self::BadRequest,
             _ => Self::Internal,
         }
@@ -195,7 +201,12 @@ pub struct ApiError {
     pub code: Code,
     pub message: String,
     pub field: Option<&'static str>,
+    /// Seconds for the `Retry-After` header (a 429 always has one).
+    pub retry_after: Option<u64>,
 }
+
+/// `Retry-After` of a 429 that names no better time.
+pub const DEFAULT_RETRY_AFTER_SECS: u64 = 1;
 
 impl ApiError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
@@ -203,6 +214,7 @@ impl ApiError {
             code,
             message: message.into(),
             field: None,
+            retry_after: None,
         }
     }
 
@@ -217,6 +229,12 @@ impl ApiError {
     /// The same error, blaming `field`.
     pub fn with_field(mut self, field: &'static str) -> Self {
         self.field = Some(field);
+        self
+    }
+
+    /// The same error, asking the client to retry after `secs` seconds.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
         self
     }
 
@@ -271,7 +289,16 @@ impl IntoResponse for ApiError {
                 field: self.field,
             },
         };
-        (self.code.status(), axum::Json(body)).into_response()
+        let mut resp = (self.code.status(), axum::Json(body)).into_response();
+        let retry = self.retry_after.or_else(|| {
+            (self.code.status() == StatusCode::TOO_MANY_REQUESTS)
+                .then_some(DEFAULT_RETRY_AFTER_SECS)
+        });
+        if let Some(secs) = retry {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        resp
     }
 }
 
@@ -312,5 +339,19 @@ mod tests {
         assert_eq!(Code::for_status(StatusCode::BAD_GATEWAY), Code::Internal);
         let names: std::collections::BTreeSet<String> = codes.iter().map(|c| c.name()).collect();
         assert_eq!(names.len(), codes.len(), "no code twice");
+        assert_eq!(Code::TooManyRequests.name(), "too_many_requests");
+    }
+
+    #[test]
+    fn every_429_has_a_retry_after() {
+        let r = ApiError::new(Code::Busy, "busy").into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let r = ApiError::new(Code::TooManyRequests, "full")
+            .retry_after(7)
+            .into_response();
+        assert_eq!(r.headers()["retry-after"], "7");
+        let r = ApiError::new(Code::VmNotFound, "no").into_response();
+        assert!(!r.headers().contains_key("retry-after"));
     }
 }

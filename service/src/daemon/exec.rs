@@ -18,6 +18,7 @@ use sprout_worker::protocol::WorkerState;
 use utoipa::ToSchema;
 
 use super::error::{chain, ApiError, Code};
+use super::exec_limits::{ExecLimits, ExecSlot};
 use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
@@ -162,6 +163,7 @@ errors!(
         StdinClosed,
         ProcessNotFound,
         Busy,
+        TooManyRequests,
         AgentUnavailable,
     ]
 );
@@ -176,7 +178,8 @@ errors!(
 /// from 1. A client that goes away ends a streamed exec (its process group
 /// is killed). With `"background": true` the process starts in the
 /// background and the answer is `201` with its `execId` at once (see
-/// /processes).
+/// /processes). An exec past the limits `/v1/info` shows (`execLimits`)
+/// is refused at once: `429 too_many_requests` with `Retry-After`.
 #[utoipa::path(post, path = "/v1/runtime/vms/{id}/exec", operation_id = "exec", tag = "exec",
     params(("id" = String, Path, description = "The sandbox's id")),
     request_body = ExecReq,
@@ -191,12 +194,18 @@ errors!(
     ))]
 pub async fn exec(
     State(app): State<Arc<App>>,
+    limits: axum::Extension<Arc<ExecLimits>>,
     Path(id): Path<String>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<ExecReq>,
 ) -> Result<Response, ApiError> {
     let stdin = check(&req)?;
     let (s, agent) = agent_for(&app, &id).await?;
+    // Held until the answer is complete (a background process: while it
+    // starts); refused at once over the limits.
+    let slot = limits.try_acquire(s.id).inspect_err(|e| {
+        tracing::info!(vm = %s.id, "exec refused: {}", e.message);
+    })?;
     // The sandbox's env, then the request's on top.
     let mut env = s.env.clone();
     env.extend(req.env);
@@ -210,7 +219,9 @@ pub async fn exec(
         ..Exec::default()
     };
     if req.background {
-        return super::procs::start(&app, &s, &agent, x, stdin, req.stdin_open).await;
+        let started = super::procs::start(&app, &s, &agent, x, stdin, req.stdin_open).await;
+        drop(slot);
+        return started;
     }
     let streamed = headers
         .get_all(header::ACCEPT)
@@ -220,13 +231,14 @@ pub async fn exec(
     tracing::info!(vm = %s.id, command = %x.command, streamed, "exec");
     let t = std::time::Instant::now();
     if streamed {
-        return stream(app, s, agent, x, stdin).await;
+        return stream(app, s, agent, x, stdin, slot).await;
     }
     let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
         Ok(out) => out,
         Err(e) => return Err(failure(&app, &s, &e).await),
     };
     app.metrics.exec.observe(t.elapsed());
+    drop(slot);
     let (stdout, stdout_base64) = text(out.stdout);
     let (stderr, stderr_base64) = text(out.stderr);
     let e = out.exit;
@@ -370,6 +382,7 @@ async fn stream(
     agent: Arc<guest_agent::client::Client>,
     mut x: Exec,
     stdin: Option<Vec<u8>>,
+    slot: ExecSlot,
 ) -> Result<Response, ApiError> {
     if stdin.is_some() {
         x.stdin = guest_agent::protocol::StdinMode::Stream;
@@ -389,6 +402,8 @@ async fn stream(
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(STREAM_BUFFER);
     let t = std::time::Instant::now();
     tokio::spawn(async move {
+        // In flight until the stream ends, however it ends.
+        let _slot = slot;
         let mut n = 0u64;
         let mut next_id = || {
             n += 1;

@@ -11,6 +11,7 @@
 pub mod api_client;
 mod error;
 mod exec;
+mod exec_limits;
 mod files;
 mod images;
 mod lab;
@@ -74,6 +75,8 @@ pub struct DaemonArgs {
     /// not (./serve asks this to know whether to build the lab).
     #[arg(long)]
     pub check_host: bool,
+    #[command(flatten)]
+    pub exec_limits: exec_limits::ExecLimitArgs,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -316,6 +319,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             Ok(()) => "--lab was given",
             Err(e) => e.as_str(),
         };
+        args.exec_limits.warn_if_not_defaults("the lab's sproutd");
         return lab::serve(&args, &data_dir, why);
     }
     let mut registry = Registry::open(&data_dir.join("registry.db"))?;
@@ -367,7 +371,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             print_banner(&format!("http://{addr}"), None);
         }
         let in_lab = app.host.lab;
-        axum::serve(listener, routes::router(app))
+        axum::serve(listener, routes::router(app, &args.exec_limits))
             .with_graceful_shutdown(shutdown())
             .await
             .map_err(DaemonError::Serve)?;

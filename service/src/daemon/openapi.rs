@@ -34,7 +34,11 @@ Every error answer, whatever made it, is the envelope `ErrorEnvelope`: \
 `message`; codes are stable (`ErrorCode` lists them all). Beside each \
 operation's own errors: an unknown route is `404 not_found`, a method the \
 route does not serve `405 method_not_allowed` (with `Allow`), and any \
-operation may answer `500 internal`.";
+operation may answer `500 internal`.
+
+Exec concurrency: at most `--max-execs-per-vm` execs in flight in one \
+sandbox and `--max-execs` in the service (`/v1/info` shows them); one more \
+is answered `429 too_many_requests` with `Retry-After` (seconds) at once.";
 
 #[derive(utoipa::OpenApi)]
 #[openapi(
@@ -105,9 +109,22 @@ pub fn error_responses(codes: &[Code]) -> BTreeMap<String, RefOr<Response>> {
                     });
                     (c.name(), ExampleBuilder::new().value(Some(value)))
                 }));
-            let resp = ResponseBuilder::new()
+            let mut resp = ResponseBuilder::new()
                 .description(text.join("\n\n"))
                 .content("application/json", content.build());
+            if status == 429 {
+                resp = resp.header(
+                    "Retry-After",
+                    HeaderBuilder::new()
+                        .schema(
+                            ObjectBuilder::new()
+                                .schema_type(Type::Integer)
+                                .minimum(Some(1)),
+                        )
+                        .description(Some("Seconds to wait before retrying"))
+                        .build(),
+                );
+            }
             (status.to_string(), RefOr::T(resp.build()))
         })
         .collect()
@@ -401,6 +418,9 @@ pub mod tests {
                         schema, "#/components/schemas/ErrorEnvelope",
                         "{what} {status}"
                     );
+                }
+                if status == "429" {
+                    assert!(r["headers"].get("Retry-After").is_some(), "{what}");
                 }
             }
             // Every path parameter is described.

@@ -20,6 +20,7 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::error::{ApiError, Code};
+use super::exec_limits::{ExecLimitArgs, ExecLimits, ExecLimitsView};
 use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
@@ -27,6 +28,7 @@ use super::supervisor::BootError;
 use super::{lock, now_ms, App, MAX_BODY};
 
 type AppState = State<Arc<App>>;
+type Limits = axum::Extension<Arc<ExecLimits>>;
 
 /// Every endpoint with its documentation: the router and the OpenAPI
 /// document ([`super::openapi`]) are both made from this one list, so no
@@ -56,11 +58,12 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
     limited.merge(raw)
 }
 
-pub fn router(app: Arc<App>) -> Router {
+pub fn router(app: Arc<App>, limits: &ExecLimitArgs) -> Router {
     let (api, _) = api().split_for_parts();
     api.fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
+        .layer(axum::Extension(ExecLimits::new(limits)))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .layer(axum::middleware::map_response(envelope))
         .layer(PropagateRequestIdLayer::x_request_id())
@@ -96,14 +99,16 @@ errors!(MetricsErrors = []);
 /// Text format 0.0.4: `sproutd_sandboxes{state}` (read from the registry at
 /// each scrape), `sproutd_http_requests_total{route,method,status}` (by
 /// route template, `unmatched` for unknown routes), the histograms
-/// `sproutd_create_seconds` and `sproutd_exec_seconds`.
+/// `sproutd_create_seconds` and `sproutd_exec_seconds`, and the exec
+/// limits' `sproutd_execs_in_flight` and
+/// `sproutd_execs_refused_total{limit="sandbox"|"global"}`.
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "service",
     responses(
         (status = 200, description = "The metrics", body = String,
             content_type = "text/plain; version=0.0.4; charset=utf-8"),
         MetricsErrors,
     ))]
-async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
+async fn metrics(State(app): AppState, limits: Limits) -> Result<Response, ApiError> {
     let all = app.db(|r| r.list_sandboxes()).await?;
     let by_state: Vec<(&str, u64)> = VmState::ALL
         .iter()
@@ -114,7 +119,8 @@ async fn metrics(State(app): AppState) -> Result<Response, ApiError> {
             )
         })
         .collect();
-    let text = app.metrics.render(&by_state);
+    let mut text = app.metrics.render(&by_state);
+    limits.render_metrics(&mut text);
     Ok((
         [(
             header::CONTENT_TYPE,
@@ -255,6 +261,7 @@ struct Info {
     /// The images a sandbox can be made from.
     images: Vec<super::registry::Image>,
     data_dir: String,
+    exec_limits: ExecLimitsView,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -279,14 +286,14 @@ struct HostModeView {
 
 errors!(InfoErrors = []);
 
-/// The version, the host mode and the images
+/// The version, the host mode, the images and the exec limits
 ///
 /// Images are found at start in `<cache>/images/NAME.ext4` (the cache is
 /// `$SPROUT_CACHE` or `~/.cache/sprout`); `testguest` is there when the test
 /// guest is built.
 #[utoipa::path(get, path = "/v1/info", operation_id = "info", tag = "service",
     responses((status = 200, description = "What this sproutd is", body = Info), InfoErrors))]
-async fn info(State(app): AppState) -> Json<Info> {
+async fn info(State(app): AppState, limits: Limits) -> Json<Info> {
     Json(Info {
         version: env!("CARGO_PKG_VERSION"),
         host_mode: HostModeView {
@@ -297,6 +304,7 @@ async fn info(State(app): AppState) -> Json<Info> {
         },
         images: app.images.clone(),
         data_dir: app.data_dir.display().to_string(),
+        exec_limits: limits.view(),
     })
 }
 
