@@ -418,7 +418,12 @@ async fn stream(
                 .unwrap_or_else(|_| Event::default().event(name))
         };
         loop {
-            let ev = match session.next_event().await {
+            // A client gone while the process is silent ends it too.
+            let next = tokio::select! {
+                next = session.next_event() => next,
+                () = tx.closed() => return,
+            };
+            let ev = match next {
                 Ok(Some(guest_agent::client::ExecEvent::Stdout(d))) => {
                     out.push(&d).map(|c| chunk_event("stdout", c, next_id()))
                 }
