@@ -324,17 +324,30 @@ impl Client {
             let path = match ep {
                 Endpoint::Unix(p) | Endpoint::Vsock { uds_path: p, .. } => p,
             };
-            let mut stream =
-                UnixStream::connect(path)
-                    .await
-                    .map_err(|source| ClientError::Connect {
-                        endpoint: ep.to_string(),
-                        source,
-                    })?;
-            if let Endpoint::Vsock { port, .. } = ep {
-                vsock_handshake(&mut stream, *port).await?;
+            let mut tries = 0;
+            loop {
+                tries += 1;
+                let mut stream =
+                    UnixStream::connect(path)
+                        .await
+                        .map_err(|source| ClientError::Connect {
+                            endpoint: ep.to_string(),
+                            source,
+                        })?;
+                if let Endpoint::Vsock { port, .. } = ep {
+                    match vsock_handshake(&mut stream, *port).await {
+                        Err(Handshake::Unsent(e)) if tries < CONNECT_TRIES => {
+                            log::debug!(
+                                "vsock: the device closed the stream before CONNECT ({e}); again"
+                            );
+                            continue;
+                        }
+                        Err(h) => return Err(h.into_error(*port)),
+                        Ok(()) => {}
+                    }
+                }
+                return Ok(Conn::new(stream));
             }
-            Ok(Conn::new(stream))
         };
         timeout(cfg.connect_timeout, attempt)
             .await
@@ -482,13 +495,40 @@ fn clip_report(mut d: IdentityDone) -> IdentityDone {
     d
 }
 
+/// Connection attempts (within [`ClientConfig::connect_timeout`]) when the vsock
+/// device closes the stream before the `CONNECT` line could be written. The device
+/// drops a host stream whose line comes late (a starved host process, as in the
+/// emulated lab under load); nothing reached the agent then, so trying again cannot
+/// run anything twice. A refusal after the line (nothing listens on the port) is
+/// never tried again.
+const CONNECT_TRIES: usize = 3;
+
+/// How a vsock handshake failed.
+#[derive(Debug)]
+enum Handshake {
+    /// The `CONNECT` line could not be written: the device had closed the stream.
+    Unsent(io::Error),
+    /// After the line: refused, or a bad answer.
+    Failed(String),
+}
+
+impl Handshake {
+    fn into_error(self, port: u32) -> ClientError {
+        let reason = match self {
+            Self::Unsent(e) => format!("cannot send CONNECT: {e}"),
+            Self::Failed(r) => r,
+        };
+        ClientError::Handshake { port, reason }
+    }
+}
+
 /// `CONNECT <port>\n`, then `OK <host port>\n` read byte by byte (nothing past it).
-async fn vsock_handshake(stream: &mut UnixStream, port: u32) -> Result<(), ClientError> {
-    let fail = |reason: String| ClientError::Handshake { port, reason };
+async fn vsock_handshake(stream: &mut UnixStream, port: u32) -> Result<(), Handshake> {
+    let fail = Handshake::Failed;
     stream
         .write_all(format!("CONNECT {port}\n").as_bytes())
         .await
-        .map_err(|e| fail(format!("cannot send CONNECT: {e}")))?;
+        .map_err(Handshake::Unsent)?;
     let mut line = Vec::with_capacity(32);
     loop {
         let mut b = [0u8; 1];
@@ -565,7 +605,7 @@ mod tests {
         let mut s = UnixStream::connect(t.path().join("w.sock")).await.unwrap();
         assert!(matches!(
             vsock_handshake(&mut s, 7).await,
-            Err(ClientError::Handshake { port: 7, .. })
+            Err(Handshake::Failed(_))
         ));
     }
 }
