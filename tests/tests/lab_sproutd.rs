@@ -355,17 +355,18 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     let second = json(&out, "second:");
     assert_eq!(second["image"], "test", "{o}");
     assert_eq!(second["state"], "running", "{o}");
-    assert_eq!(
-        json(&out, "dead-exec:")["error"]["code"],
-        "agent_unavailable",
+    // The worker's watch (a pidfd) usually fails the sandbox before the
+    // exec comes (409 invalid_state); else the exec finds it (502).
+    let dead_exec = json(&out, "dead-exec:");
+    assert!(
+        ["invalid_state", "agent_unavailable"]
+            .contains(&dead_exec["error"]["code"].as_str().unwrap()),
         "{o}"
     );
     let dead = json(&out, "dead:");
     assert_eq!(dead["state"], "failed", "{o}");
-    assert!(
-        dead["failureReason"].as_str().unwrap().contains("gone"),
-        "{o}"
-    );
+    let why = dead["failureReason"].as_str().unwrap();
+    assert!(why.contains("killed") || why.contains("gone"), "{o}");
     assert_eq!(json(&out, "delete2:")["deleted"], true, "{o}");
 
     let adopted = json(&out, "adopted:");
