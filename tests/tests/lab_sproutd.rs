@@ -9,7 +9,7 @@ use sprout_tests::lab;
 const SCRIPT: &str = r#"
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
 start_daemon() {
-  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
+  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd "$@" >>/tmp/sd.out 2>>/tmp/sd.log &
   daemon=$!
   i=0
   until sprout api GET /v1/health >/dev/null 2>&1; do
@@ -125,6 +125,83 @@ echo "left: $(api GET /v1/runtime/vms)"
 ps | grep -c '[s]prout worker' | sed 's/^/workers: /'
 kill $daemon; wait $daemon
 echo "daemon-exit: $?"
+# --- Exec limits: 200 concurrent execs over 4 sandboxes, each echoing its
+# own token; every answer is that output or 429 with Retry-After. Admitted
+# execs wait for /workspace/go, written through the files API (not an
+# exec: not limited) once every refusal is in, so exactly 24 (the global
+# limit) run. First 20 to sandbox 1 alone (8 admitted: its limit), then
+# 180 over the other three (16 more, then the global limit).
+start_daemon --max-execs-per-vm 8 --max-execs 24
+lim_pids=
+for v in 1 2 3 4; do
+  api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}' >/tmp/lim-vm$v &
+  lim_pids="$lim_pids $!"
+done
+for p in $lim_pids; do wait $p; done
+lim_ids=
+for v in 1 2 3 4; do
+  lid=$(sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p' /tmp/lim-vm$v)
+  [ -n "$lid" ] || { echo "limits: schedule $v failed: $(cat /tmp/lim-vm$v)"; cat /tmp/sd.log; exit 14; }
+  lim_ids="$lim_ids $lid"
+done
+lim_inflight() { api GET /metrics | sed -n 's/^sproutd_execs_in_flight //p'; }
+lim_until() { # until sproutd has N execs in flight
+  i=0
+  until [ "$(lim_inflight)" = $1 ]; do
+    i=$((i+1)); [ $i -gt 600 ] && { echo "limits: $(lim_inflight) in flight, not $1"; break; }
+    sleep 0.2
+  done
+}
+# A streamed exec whose client goes while its process prints nothing: its
+# slot is freed and its process group killed at once.
+lid=$(echo $lim_ids | cut -d' ' -f1)
+sprout api --accept text/event-stream POST /v1/runtime/vms/$lid/exec \
+  '{"command":"/bin/sh","argv":["-c","sleep 1000; echo never"]}' >/dev/null 2>&1 &
+sse=$!
+lim_until 1
+kill $sse; wait $sse 2>/dev/null
+lim_until 0
+sleepers() { api POST /v1/runtime/vms/$lid/exec "$count_sleepers" | sed -n 's/.*"stdout":"\([0-9]*\)\\n".*/\1/p'; }
+i=0
+until [ "$(sleepers)" = 0 ]; do i=$((i+1)); [ $i -gt 100 ] && break; sleep 0.2; done
+echo "lim-sse-gone: $(lim_inflight) $(sleepers)"
+mkdir -p /tmp/lim
+lim_exec() { # N SANDBOX-INDEX
+  lid=$(echo $lim_ids | cut -d' ' -f$2)
+  sprout api -i POST /v1/runtime/vms/$lid/exec \
+    "{\"command\":\"/bin/sh\",\"argv\":[\"-c\",\"while [ ! -e /workspace/go ]; do sleep 1; done; echo tok-$1\"]}" \
+    >/tmp/lim/$1 2>/dev/null &
+  lim_pids="$lim_pids $!"
+}
+lim_answered() { cat /tmp/lim/* 2>/dev/null | grep -c '^HTTP/1.1 '; }
+lim_wait() { # until N answers are in (the refusals, if all goes well)
+  i=0
+  until [ "$(lim_answered)" -ge $1 ]; do
+    i=$((i+1)); [ $i -gt 1200 ] && { echo "limits: only $(lim_answered) of $1 answers"; break; }
+    sleep 0.2
+  done
+}
+lim_pids=
+n=0
+while [ $n -lt 20 ]; do lim_exec $n 1; n=$((n+1)); done
+lim_wait 12
+while [ $n -lt 200 ]; do lim_exec $n $((n % 3 + 2)); n=$((n+1)); done
+lim_wait 176
+echo "lim-held: $(api GET /metrics | grep '^sproutd_execs_in_flight')"
+for lid in $lim_ids; do api PUT "/v1/runtime/vms/$lid/files/content?path=go" go >/dev/null; done
+for p in $lim_pids; do wait $p; done
+n=0
+while [ $n -lt 200 ]; do
+  f=/tmp/lim/$n
+  st=$(head -1 $f | cut -d' ' -f2)
+  ra=$(sed -n 's/^[Rr]etry-[Aa]fter: *\([0-9]*\).*/\1/p' $f | head -1)
+  echo "lim: $n ${st:--} ${ra:--} $(sed '1,/^$/d' $f | tr -d '\n')"
+  n=$((n+1))
+done
+api GET /metrics | grep '^sproutd_execs_' | sed 's/^/lim-metrics: /'
+for lid in $lim_ids; do echo "lim-delete: $(api DELETE /v1/runtime/vms/$lid)"; done
+kill $daemon; wait $daemon
+echo "lim-daemon-exit: $?"
 "#;
 
 fn json(out: &lab::LabOutput, prefix: &str) -> Value {
@@ -161,7 +238,10 @@ fn sse_events(lines: &[&str]) -> Vec<(String, String, String)> {
 
 #[test]
 fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
-    let out = lab::run(SCRIPT);
+    // The exec-limits block boots four more sandboxes.
+    let out = lab::Script::new(SCRIPT)
+        .timeout(std::time::Duration::from_secs(1500))
+        .run();
     out.assert_success();
     let o = &out.stdout;
     let info = json(&out, "info:");
@@ -385,4 +465,88 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     );
     assert_eq!(out.values("workers:"), ["0"], "{o}");
     assert_eq!(out.values("daemon-exit:"), ["0"], "{o}");
+    exec_limits(&out);
+}
+
+/// The exec-limits block: 200 concurrent execs over 4 sandboxes, each
+/// answer the request's own output or a 429 envelope with Retry-After, and
+/// as many admitted as the limits allow (--max-execs-per-vm 8, --max-execs
+/// 24), each answer as the committed OpenAPI document describes it.
+fn exec_limits(out: &lab::LabOutput) {
+    let o = &out.stdout;
+    let doc: Value = serde_json::from_str(include_str!("../../docs/openapi.json")).unwrap();
+    let schema = |name: &str| &doc["components"]["schemas"][name];
+    // Every key is one the schema names, every required key is there.
+    let fits = |name: &str, v: &Value| {
+        let s = schema(name);
+        let props = s["properties"].as_object().unwrap();
+        let m = v.as_object().unwrap_or_else(|| panic!("{v}"));
+        assert!(m.keys().all(|k| props.contains_key(k)), "{name}: {v}");
+        for r in s["required"].as_array().unwrap() {
+            assert!(m.contains_key(r.as_str().unwrap()), "{name}: {r} in {v}");
+        }
+    };
+    // The streamed exec whose client went: nothing in flight, no sleep.
+    let gone = out.values("lim-sse-gone:");
+    assert_eq!(gone, ["0 0"], "{o}");
+    assert_eq!(
+        out.values("lim-held:"),
+        ["sproutd_execs_in_flight 24"],
+        "{o}"
+    );
+    let lines = out.values("lim:");
+    assert_eq!(lines.len(), 200, "{o}");
+    let (mut ok, mut refused) = (0, 0);
+    for l in lines {
+        let mut f = l.splitn(4, ' ');
+        let (n, status, retry, body) = (
+            f.next().unwrap(),
+            f.next().unwrap(),
+            f.next().unwrap(),
+            f.next().unwrap_or(""),
+        );
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| {
+            panic!(
+                "{l}: {e}
+{o}"
+            )
+        });
+        match status {
+            "200" => {
+                fits("ExecResult", &v);
+                assert_eq!(v["stdout"], format!("tok-{n}\n"), "{l}\n{o}");
+                assert_eq!(v["exitCode"], 0, "{l}");
+                ok += 1;
+            }
+            "429" => {
+                fits("ErrorEnvelope", &v);
+                assert_eq!(v["error"]["code"], "too_many_requests", "{l}");
+                assert!(retry.parse::<u64>().is_ok_and(|r| r >= 1), "{l}");
+                refused += 1;
+            }
+            _ => panic!("exec {n}: {l}\n{o}"),
+        }
+    }
+    assert_eq!((ok, refused), (24, 176), "{o}");
+    let m = out.values("lim-metrics:");
+    assert!(m.contains(&"sproutd_execs_in_flight 0"), "{m:?}");
+    let by = |limit: &str| -> u64 {
+        let p = format!("sproutd_execs_refused_total{{limit=\"{limit}\"}} ");
+        m.iter()
+            .find_map(|l| l.strip_prefix(&p))
+            .unwrap_or_else(|| panic!("{p} in {m:?}"))
+            .parse()
+            .unwrap()
+    };
+    // Sandbox 1 alone refused 12 at its own limit; the others met the
+    // global one at least once (16 over three sandboxes of 8 each).
+    assert!(by("sandbox") >= 12, "{m:?}");
+    assert!(by("global") >= 1, "{m:?}");
+    assert_eq!(by("sandbox") + by("global"), 176, "{m:?}");
+    let deleted = out.values("lim-delete:");
+    assert_eq!(deleted.len(), 4, "{o}");
+    for d in deleted {
+        assert!(d.contains(r#""deleted":true"#), "{d}");
+    }
+    assert_eq!(out.values("lim-daemon-exit:"), ["0"], "{o}");
 }
