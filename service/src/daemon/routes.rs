@@ -99,8 +99,9 @@ errors!(MetricsErrors = []);
 /// Text format 0.0.4: `sproutd_sandboxes{state}` (read from the registry at
 /// each scrape), `sproutd_http_requests_total{route,method,status}` (by
 /// route template, `unmatched` for unknown routes), the histograms
-/// `sproutd_create_seconds` and `sproutd_exec_seconds`, and the exec
-/// limits' `sproutd_execs_in_flight` and
+/// `sproutd_create_seconds` and `sproutd_exec_seconds`, the memory gauges
+/// `process_resident_memory_bytes` and `sproutd_peak_resident_memory_bytes`,
+/// and the exec limits' `sproutd_execs_in_flight` and
 /// `sproutd_execs_refused_total{limit="sandbox"|"global"}`.
 #[utoipa::path(get, path = "/metrics", operation_id = "metrics", tag = "service",
     responses(
