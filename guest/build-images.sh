@@ -65,9 +65,11 @@ agent_bin() {
     die "cannot add the Rust target x86_64-unknown-linux-musl"
   (cd "$root" && cargo build --release --locked --target x86_64-unknown-linux-musl \
     -p guest-agent --bin sprout-agent >&2) || die "building sprout-agent failed"
-  local built=$root/target/x86_64-unknown-linux-musl/release/sprout-agent
+  # (CARGO_TARGET_DIR moves cargo's output: the agent just built is there.)
+  local built=${CARGO_TARGET_DIR:-$root/target}/x86_64-unknown-linux-musl/release/sprout-agent
   local stripped=$cache/images/.sprout-agent.stripped
-  strip -o "$stripped.tmp" "$built" && mv "$stripped.tmp" "$stripped"
+  strip -o "$stripped.tmp" "$built" || die "cannot strip $built"
+  mv "$stripped.tmp" "$stripped"
   echo "$stripped"
 }
 

@@ -49,6 +49,8 @@ impl Hosted {
                 "--listen",
                 "127.0.0.1:0",
             ])
+            // Passed on to the lab's sproutd (/v1/info shows them).
+            .args(["--max-execs-per-vm", "7", "--max-execs", "77"])
             .arg("--data-dir")
             .arg(data_dir)
             .env("SPROUT_LAB", lab)
@@ -184,6 +186,8 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         .unwrap();
     assert_eq!(info["hostMode"]["lab"], true, "{info}");
     assert_eq!(info["hostMode"]["linuxGuests"], true, "{info}");
+    assert_eq!(info["execLimits"]["maxExecsPerVm"], 7, "{info}");
+    assert_eq!(info["execLimits"]["maxExecs"], 77, "{info}");
     assert!(
         info["hostMode"]["note"]
             .as_str()

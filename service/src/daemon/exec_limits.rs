@@ -42,18 +42,12 @@ pub struct ExecLimitArgs {
 }
 
 impl ExecLimitArgs {
-    /// Says on stderr that limits given here do not reach `who`, which
-    /// runs with the defaults (the lab-hosted mode does not pass them on
-    /// yet).
-    pub fn warn_if_not_defaults(&self, who: &str) {
-        let d = Self::default();
-        if (self.max_execs_per_vm, self.max_execs) != (d.max_execs_per_vm, d.max_execs) {
-            eprintln!(
-                "sproutd: warning: --max-execs-per-vm and --max-execs are not passed on to \
-                 {who}, which uses the defaults ({} and {})",
-                d.max_execs_per_vm, d.max_execs
-            );
-        }
+    /// The same limits as `sproutd` arguments (for the lab's sproutd).
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            format!("--max-execs-per-vm={}", self.max_execs_per_vm),
+            format!("--max-execs={}", self.max_execs),
+        ]
     }
 }
 

@@ -93,6 +93,8 @@ struct Config {
     addr: SocketAddrV4,
     cpus: u8,
     memory_mib: u32,
+    /// Arguments for the lab's sproutd (simple tokens: no spaces or commas).
+    inner_args: Vec<String>,
 }
 
 /// The lab directory: `$SPROUT_LAB`, else `<cache>/lab` (tests/lab/build.sh).
@@ -222,7 +224,11 @@ impl Run {
                 cfg.addr.port()
             ))
             .arg("-append")
-            .arg("console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.printk=1 lab.service=sproutd")
+            .arg(format!(
+                "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.printk=1 lab.service=sproutd \
+                 lab.sproutd={}",
+                cfg.inner_args.join(",")
+            ))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -502,6 +508,7 @@ pub(super) fn serve(
         addr,
         cpus: args.lab_cpus,
         memory_mib: args.lab_memory_mib.unwrap_or_else(default_memory_mib),
+        inner_args: args.exec_limits.to_args(),
     };
     tracing::warn!("{why}");
     eprintln!(

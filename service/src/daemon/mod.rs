@@ -319,7 +319,6 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             Ok(()) => "--lab was given",
             Err(e) => e.as_str(),
         };
-        args.exec_limits.warn_if_not_defaults("the lab's sproutd");
         return lab::serve(&args, &data_dir, why);
     }
     let mut registry = Registry::open(&data_dir.join("registry.db"))?;
