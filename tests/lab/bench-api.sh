@@ -22,8 +22,15 @@ say "building report and sproutd (release)"
 (cd "$root" && cargo build --release --locked -q -p sprout-benches --bin report -p service --bin sproutd)
 target=${CARGO_TARGET_DIR:-$root/target}
 tmp=$(mktemp -d)
-trap 'kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; rm -rf "$tmp"' EXIT
 daemon=
+cleanup() {
+  if [ -n "$daemon" ]; then
+    kill "$daemon" 2>/dev/null || true
+    wait "$daemon" 2>/dev/null || true
+  fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
 cp "$target/release/report" "$tmp/report"
 
 say "1/2: in the lab, $runs runs a row"
