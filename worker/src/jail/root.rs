@@ -157,14 +157,44 @@ pub(super) fn enter(root: &Path, o: &JailOptions) -> Result<(), JailError> {
     // The new root on top of the old, then the old detached: nothing of the
     // host's tree is left in this namespace.
     rustix::process::chdir(root).map_err(root_err(root, "enter"))?;
-    rustix::process::pivot_root(".", ".").map_err(root_err(
-        root,
-        "pivot_root into (it must be a mount point, as Jail::create makes it)",
-    ))?;
-    rustix::mount::unmount(".", UnmountFlags::DETACH)
-        .map_err(root_err(root, "detach the host's root from"))?;
+    match rustix::process::pivot_root(".", ".") {
+        Ok(()) => rustix::mount::unmount(".", UnmountFlags::DETACH)
+            .map_err(root_err(root, "detach the host's root from"))?,
+        // The host runs from its initramfs (`rootfs`, as the emulated lab
+        // does), which pivot_root cannot put aside: as switch_root does,
+        // the jail root is moved over `/` and the worker chroots into it.
+        // The rootfs stays beneath, out of reach: leaving a chroot takes
+        // CAP_SYS_CHROOT, which the worker gives up below (step 4), and it
+        // holds no descriptor of a directory outside.
+        Err(rustix::io::Errno::INVAL) if root_is_rootfs() => {
+            rustix::mount::mount_move(".", "/")
+                .map_err(root_err(root, "move over the initramfs root"))?;
+            rustix::process::chroot(".").map_err(root_err(root, "chroot into"))?;
+        }
+        Err(e) => {
+            return Err(root_err(
+                root,
+                "pivot_root into (it must be a mount point, as Jail::create makes it)",
+            )(e))
+        }
+    }
     rustix::process::chdir("/").map_err(root_err(root, "enter"))?;
     Ok(())
+}
+
+/// Whether this mount namespace runs on the initramfs: its `/` is a mount
+/// of type `rootfs`, which has no parent to pivot away from.
+fn root_is_rootfs() -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|s| mountinfo_has_rootfs(&s))
+}
+
+/// Whether a mountinfo text has a `rootfs` mount on `/`.
+fn mountinfo_has_rootfs(s: &str) -> bool {
+    s.lines().any(|l| {
+        // "ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [TAGS...] - FSTYPE SRC OPTS"
+        let (head, tail) = l.split_once(" - ").unwrap_or((l, ""));
+        head.split(' ').nth(4) == Some("/") && tail.split(' ').next() == Some("rootfs")
+    })
 }
 
 /// A worker's jail directory, seen from the host (the spawner's side; see
@@ -453,6 +483,20 @@ mod tests {
         assert_eq!(unescape(r"/a\040b/c"), b"/a b/c");
         assert_eq!(unescape(r"/plain"), b"/plain");
         assert_eq!(unescape(r"/end\04"), b"/end\\04");
+    }
+
+    #[test]
+    fn an_initramfs_root_is_told_from_a_disk_root() {
+        let initramfs = "1 1 0:2 / / rw - rootfs rootfs rw,size=1010708k\n\
+                         22 1 0:21 / /proc rw,relatime - proc proc rw\n";
+        assert!(mountinfo_has_rootfs(initramfs));
+        let disk = "25 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n\
+                    26 25 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw\n";
+        assert!(!mountinfo_has_rootfs(disk));
+        // A rootfs somewhere else is not the root.
+        assert!(!mountinfo_has_rootfs(
+            "30 25 0:2 / /mnt rw - rootfs rootfs rw\n"
+        ));
     }
 
     #[test]
