@@ -45,6 +45,10 @@ pub struct WorkerCommand {
     /// With `jail`: each worker gets its own jail root under this directory
     /// (`<base>/<id>/root`, see [`Jail`]) and `pivot_root`s into it.
     pub jail_base: Option<PathBuf>,
+    /// Where each worker's stderr is appended (its diagnostics: a refused
+    /// syscall's message, a failure's reason); `$SPROUT_WORKER_LOG` when
+    /// `None`, else nowhere.
+    pub log: Option<PathBuf>,
 }
 
 /// A started worker process.
@@ -119,6 +123,7 @@ impl WorkerCommand {
             prefix: Vec::new(),
             jail: None,
             jail_base: None,
+            log: None,
         }
     }
 
@@ -129,6 +134,7 @@ impl WorkerCommand {
             prefix: prefix.iter().map(OsString::from).collect(),
             jail: None,
             jail_base: None,
+            log: None,
         })
     }
 
@@ -146,6 +152,12 @@ impl WorkerCommand {
     /// they see only what is exposed into it. Needs [`jailed`](Self::jailed).
     pub fn jail_root(mut self, base: impl Into<PathBuf>) -> Self {
         self.jail_base = Some(base.into());
+        self
+    }
+
+    /// Its workers' stderr appended to `path` (see [`log`](Self::log)).
+    pub fn log_to(mut self, path: impl Into<PathBuf>) -> Self {
+        self.log = Some(path.into());
         self
     }
 
@@ -200,8 +212,12 @@ impl WorkerCommand {
         }
         // Detached: it must hold none of our pipes open (a caller reading our
         // output to its end would wait for the worker's). Its diagnostics go
-        // to $SPROUT_WORKER_LOG when set.
-        let log = std::env::var_os("SPROUT_WORKER_LOG")
+        // to its log, or $SPROUT_WORKER_LOG, when set.
+        let log = self
+            .log
+            .clone()
+            .map(OsString::from)
+            .or_else(|| std::env::var_os("SPROUT_WORKER_LOG"))
             .and_then(|p| {
                 std::fs::OpenOptions::new()
                     .create(true)
