@@ -30,7 +30,7 @@ use vmm::{ConsoleBuffer, DiskConfig, ExitReason, SerialOutput, Vm, VmConfig, Vso
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet reboot=k panic=-1 pci=off \
      root=/dev/vda ro rootfstype=ext4 init=/sbin/sprout-init RUST_LOG=warn";
 /// The guest CID of the VM's vsock device.
-const GUEST_CID: u64 = 3;
+pub const GUEST_CID: u64 = 3;
 /// How long to wait for the agent unless `SPROUT_BOOT_TIMEOUT` (seconds) says otherwise.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 const CONSOLE_CAP: usize = 64 * 1024;

@@ -1113,3 +1113,212 @@ async fn exec_limits_are_flags_that_info_shows() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--max-execs"), "{err}");
 }
+
+/// The lines of `/proc/<pid>/status` that show a jail.
+fn jail_status(pid: u64) -> Vec<String> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .filter(|l| {
+            ["Uid:", "CapEff:", "NoNewPrivs:", "Seccomp:"]
+                .iter()
+                .any(|k| l.starts_with(k))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The names in `dir`, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Bytes through the test guest's vsock echo port (1234), from the host
+/// side of the sandbox's vsock socket.
+fn vsock_echo(uds: &Path, msg: &[u8]) -> Vec<u8> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(uds)
+        .unwrap_or_else(|e| panic!("connect {}: {e}", uds.display()));
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    s.write_all(b"CONNECT 1234\n").unwrap();
+    let mut line = String::new();
+    BufReader::new(&mut s).read_line(&mut line).unwrap();
+    assert!(line.starts_with("OK "), "vsock handshake answer {line:?}");
+    s.write_all(msg).unwrap();
+    let mut got = vec![0u8; msg.len()];
+    s.read_exact(&mut got).unwrap();
+    got
+}
+
+/// The first component of an absolute path.
+fn top(p: &Path) -> String {
+    p.components()
+        .nth(1)
+        .unwrap()
+        .as_os_str()
+        .to_string_lossy()
+        .into_owned()
+}
+
+async fn schedule_testguest(c: &Client, d: &Daemon) -> (String, u64) {
+    let r = post(
+        c,
+        d,
+        "/v1/runtime/schedule",
+        json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
+    )
+    .await;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 201, "{v}\n{}", Daemon::log(&d.data_dir));
+    (
+        v["vmId"].as_str().unwrap().to_owned(),
+        v["workerPid"].as_u64().unwrap(),
+    )
+}
+
+/// Run as root (as here and in CI), sproutd jails each worker: nobody, no
+/// capabilities, seccomp filters, and a root holding only the jail's own
+/// entries and the sandbox's files; the sandbox still answers (its vsock
+/// socket from the host, the API's calls), a restarted sproutd re-adopts
+/// it, and a delete, by the sproutd that started the worker or by a later
+/// one, leaves no jail behind. Not root: workers run unjailed and the log
+/// says why.
+#[tokio::test]
+async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start(&dir);
+    let (id, pid) = schedule_testguest(&c, &d).await;
+    if rustix::process::geteuid().as_raw() != 0 {
+        let log = Daemon::log(&dir);
+        assert!(log.contains("workers run unjailed"), "{log}");
+        assert!(jail_status(pid).contains(&"Seccomp:\t0".to_owned()));
+        return;
+    }
+    assert!(
+        Daemon::log(&dir).contains("workers run jailed"),
+        "{}",
+        Daemon::log(&dir)
+    );
+    let st = jail_status(pid);
+    for want in [
+        "Seccomp:\t2",
+        "CapEff:\t0000000000000000",
+        "NoNewPrivs:\t1",
+        "Uid:\t65534\t65534\t65534\t65534",
+    ] {
+        assert!(st.iter().any(|l| l == want), "{want:?} not in {st:?}");
+    }
+    // Its root: the jail's own entries, and the paths of what its VM needs.
+    let vm_dir = dir.join("vms").join(&id).canonicalize().unwrap();
+    let kernel = Path::new(testguest_build::TESTGUEST_PATH)
+        .canonicalize()
+        .unwrap();
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let mut want: Vec<String> = ["dev", "proc", "worker"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([top(&vm_dir), top(&kernel)])
+        .collect();
+    want.sort();
+    want.dedup();
+    assert_eq!(names(&root), want);
+    assert_eq!(
+        names(&root.join("dev")),
+        ["kvm", "null", "urandom", "userfaultfd"]
+    );
+    let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap());
+    // Of the sandbox's directory only vm/ (no control link, console or
+    // log); of the data directory nothing else (no registry, no jails).
+    assert_eq!(names(&inside(&vm_dir)), ["vm"]);
+    assert_eq!(names(&inside(&vm_dir.join("vm"))), ["vsock.sock"]);
+    let data = dir.canonicalize().unwrap();
+    assert_eq!(names(&inside(&data)), ["vms"]);
+    assert_eq!(names(&inside(&data.join("vms"))), [id.as_str()]);
+    assert!(inside(&kernel).is_file());
+    assert!(!root.join("etc/passwd").exists());
+    // Its control socket is in its jail, linked from the sandbox's.
+    let jails = dir.join("jails");
+    assert_eq!(names(&jails).len(), 1);
+    let link = std::fs::read_link(vm_dir.join("control.sock")).unwrap();
+    assert!(
+        link.starts_with(jails.canonicalize().unwrap()),
+        "{}",
+        link.display()
+    );
+
+    // The sandbox answers: its vsock socket from the host, and the API.
+    let uds = vm_dir.join("vm/vsock.sock");
+    assert_eq!(vsock_echo(&uds, b"through the jail"), b"through the jail");
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{id}/exec"),
+        json!({"command": "true"}),
+    )
+    .await;
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let r = c
+        .get(d.url(&format!("/v1/runtime/vms/{id}/files?path=.")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+
+    // A second sandbox, deleted by the sproutd that started its worker.
+    let (id2, pid2) = schedule_testguest(&c, &d).await;
+    assert!(jail_status(pid2).contains(&"Seccomp:\t2".to_owned()));
+    assert_eq!(names(&jails).len(), 2);
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{id2}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", Daemon::log(&dir));
+    assert!(!alive(pid2), "its worker is reaped");
+    assert_eq!(names(&jails).len(), 1, "its jail is gone");
+
+    // kill -9 of sproutd: the next one re-adopts the jailed worker.
+    d.kill9();
+    let d = Daemon::start(&dir);
+    let v: Value = c
+        .get(d.url(&format!("/v1/runtime/vms/{id}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["workerPid"], pid);
+    assert_eq!(vsock_echo(&uds, b"after a restart"), b"after a restart");
+    assert!(jail_status(pid).contains(&"Seccomp:\t2".to_owned()));
+
+    // Its delete stops the adopted worker and removes its jail.
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{id}")))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["deleted"], true, "{v}\n{}", Daemon::log(&dir));
+    let t = Instant::now();
+    while alive(pid) {
+        assert!(t.elapsed() < Duration::from_secs(10), "worker lives on");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(names(&jails).is_empty(), "{:?}", names(&jails));
+    assert!(!vm_dir.exists());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let data = data.display().to_string();
+    assert!(
+        !mounts.lines().any(|l| l.contains(&data)),
+        "no mount is left under {data}:\n{mounts}"
+    );
+    d.stop();
+}

@@ -25,6 +25,11 @@ out=$(api POST /v1/runtime/schedule '{"cpus":1,"memoryMb":256,"metadata":{"test"
 echo "scheduled: $out"
 id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
 [ -n "$id" ] || exit 12
+# sproutd runs as root here: its worker is jailed.
+pid=$(echo "$out" | sed -n 's/.*"workerPid":\([0-9]*\).*/\1/p')
+echo "jail-status: $(grep -E '^(Seccomp|CapEff|NoNewPrivs):' /proc/$pid/status | tr -s '\t\n' '  ')"
+echo "jail-root: $(ls /proc/$pid/root | tr '\n' ' ')"
+echo "jail-vm: $(ls /proc/$pid/root/tmp/sd/vms/$id | tr '\n' ' ')"
 x="/v1/runtime/vms/$id/exec"
 echo "python: $(api POST $x '{"command":"python3","argv":["-c","print(2**100)"]}')"
 echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; echo oops >&2; exit 3"],"env":{"X":"from-env"},"stdin":"fed"}')"
@@ -122,6 +127,8 @@ echo "again: $(api POST $x '{"command":"cat","argv":["/proc/sys/kernel/hostname"
 echo "delete: $(api DELETE /v1/runtime/vms/$id)"
 echo "gone: $(api GET /v1/runtime/vms/$id)"
 echo "left: $(api GET /v1/runtime/vms)"
+echo "jails-left: $(ls /tmp/sd/jails | wc -l)"
+echo "mounts-left: $(grep -c ' /tmp/sd/' /proc/self/mountinfo)"
 ps | grep -c '[s]prout worker' | sed 's/^/workers: /'
 kill $daemon; wait $daemon
 echo "daemon-exit: $?"
@@ -250,6 +257,15 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(s["state"], "running", "{o}");
     assert_eq!(s["image"], "default", "{o}");
     let id = s["vmId"].as_str().unwrap();
+    // Its worker is jailed: seccomp, no capabilities, and a root with only
+    // the jail's own entries, the kernel and image (/opt) and the
+    // sandbox's vm/ (/tmp).
+    let st = out.values("jail-status:");
+    for want in ["Seccomp: 2", "CapEff: 0000000000000000", "NoNewPrivs: 1"] {
+        assert!(st[0].contains(want), "{want:?} not in {st:?}\n{o}");
+    }
+    assert_eq!(out.values("jail-root:"), ["dev opt proc tmp worker"], "{o}");
+    assert_eq!(out.values("jail-vm:"), ["vm"], "{o}");
 
     let py = json(&out, "python:");
     assert_eq!(py["stdout"], "1267650600228229401496703205376\n", "{o}");
@@ -464,6 +480,8 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         "{o}"
     );
     assert_eq!(out.values("workers:"), ["0"], "{o}");
+    assert_eq!(out.values("jails-left:"), ["0"], "{o}");
+    assert_eq!(out.values("mounts-left:"), ["0"], "{o}");
     assert_eq!(out.values("daemon-exit:"), ["0"], "{o}");
     exec_limits(&out);
 }

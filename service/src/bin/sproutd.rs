@@ -1,7 +1,8 @@
 //! `sproutd`: the Sprout sandbox REST service (docs/api.md).
 //!
 //! ```text
-//! sproutd [--listen ADDR] [--data-dir DIR]     serve (default 127.0.0.1:7070, ~/.local/share/sprout)
+//! sproutd [--listen ADDR] [--data-dir DIR] [--no-jail]
+//!     serve (default 127.0.0.1:7070, ~/.local/share/sprout); as root, with jailed workers
 //! ```
 //!
 //! The same service is `sprout daemon`; this binary also runs as a worker

@@ -77,6 +77,11 @@ pub struct DaemonArgs {
     pub check_host: bool,
     #[command(flatten)]
     pub exec_limits: exec_limits::ExecLimitArgs,
+    /// Start workers unjailed even as root, for debugging: each then runs
+    /// as root and sees the whole host. By default a root `sproutd` jails
+    /// every worker (docs/api.md, "Jailed workers").
+    #[arg(long)]
+    pub no_jail: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -332,7 +337,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     let cmd = crate::control::worker_command().map_err(DaemonError::Worker)?;
     let app = Arc::new(App {
         registry: Mutex::new(registry),
-        supervisor: Supervisor::new(cmd, &data_dir),
+        supervisor: Supervisor::new(cmd, &data_dir, !args.no_jail),
         images,
         host,
         data_dir: data_dir.clone(),

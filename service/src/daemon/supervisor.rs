@@ -2,20 +2,36 @@
 //! for the guest's agent, stopping it, and re-adopting the live ones a
 //! previous `sproutd` left when this one starts.
 //!
-//! Each sandbox has a directory `<data dir>/vms/<id>/` with its worker's
-//! control socket (`control.sock`), its vsock socket (`vsock.sock`), its
-//! private writable disk (`disk.ext4`) and its console (`console.log`).
-//! Workers are detached (their own session): they outlive `sproutd`.
-//! Everything here that talks to a worker blocks; callers run it on
-//! tokio's blocking pool.
+//! Each sandbox has a directory `<data dir>/vms/<id>/`, `sproutd`'s own:
+//! its worker's control socket (`control.sock`), the guest console
+//! (`console.log`) and the worker's stderr (`worker.log`), and `vm/`, the
+//! one part its worker may write: its private writable disk (`disk.ext4`)
+//! and its vsock socket (`vsock.sock`). Workers are detached (their own
+//! session): they outlive `sproutd`. Everything here that talks to a worker
+//! blocks; callers run it on tokio's blocking pool.
+//!
+//! **Jailed workers.** Run as root (unless `--no-jail`), `sproutd` starts
+//! each worker jailed with a jail root (`sprout_worker::jail`): as nobody,
+//! in its own mount namespace, under its seccomp filters, seeing only
+//! `/dev/{kvm,userfaultfd,null,urandom}`, its own `/proc/self`, and what
+//! its VM needs, exposed at the same paths as on the host: the kernel and
+//! any base image read-only, `vm/` read-write (owned by the jail uid). Its
+//! control socket is in its jail root, `<data dir>/jails/<jail id>/root`;
+//! `control.sock` links to it. `sproutd` follows that link and reads the
+//! console and log as root, so they stay out of the directory the worker
+//! may write (a worker could otherwise point them anywhere). A delete
+//! stops the worker, then removes its jail (found by the link after a
+//! restart), then the directory.
 
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Path, PathBuf};
+use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use sprout_worker::jail::{Jail, JailError, CONTROL_SOCKET, DEFAULT_GID, DEFAULT_UID};
 use sprout_worker::protocol::{BootSpec, Description, GuestKind, Request, Response, WorkerState};
 use sprout_worker::{Client, WorkerCommand, WorkerProcess};
 use uuid::Uuid;
+use vmm::config::VmSpec;
 
 use super::error::chain;
 use super::images::TEST_GUEST_IMAGE;
@@ -27,8 +43,21 @@ use crate::linux::{self, LinuxRun};
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long a worker has to exit after `Stop`.
 const STOP_TIMEOUT: Duration = Duration::from_secs(15);
-/// How much of a console's end a failure reason quotes.
+/// How much of a console's or log's end a failure reason quotes.
 const CONSOLE_TAIL: u64 = 2048;
+
+/// In a sandbox's directory: the worker's control socket (a link into its
+/// jail when jailed).
+pub const CONTROL_SOCK: &str = "control.sock";
+/// In a sandbox's directory: the guest console.
+pub const CONSOLE_LOG: &str = "console.log";
+/// In a sandbox's directory: the worker's stderr.
+pub const WORKER_LOG: &str = "worker.log";
+/// In a sandbox's directory: the part its worker may write (its disk and
+/// vsock socket), exposed read-write into its jail.
+pub const VM_SUBDIR: &str = "vm";
+/// In `<data dir>`: the jailed workers' roots.
+pub const JAILS_DIR: &str = "jails";
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
@@ -49,13 +78,40 @@ pub struct Booted {
 pub struct Supervisor {
     cmd: WorkerCommand,
     vms_dir: PathBuf,
+    /// `<data dir>/jails`, where jailed workers' roots are (also looked in
+    /// for the jails of workers a previous `sproutd` started).
+    jails_dir: PathBuf,
 }
 
 impl Supervisor {
-    pub fn new(cmd: WorkerCommand, data_dir: &Path) -> Self {
+    /// Workers are jailed when `jail` and this process runs as root; else
+    /// they run as this user, unjailed, and the log says why, once.
+    pub fn new(cmd: WorkerCommand, data_dir: &Path, jail: bool) -> Self {
+        let jails_dir = data_dir.join(JAILS_DIR);
+        let euid = rustix::process::geteuid().as_raw();
+        let cmd = if !jail {
+            tracing::warn!(
+                "--no-jail: workers run unjailed, as uid {euid}, with the host's file system in view"
+            );
+            cmd
+        } else if euid != 0 {
+            tracing::warn!(
+                "workers run unjailed, as uid {euid}: jailing them (their own mount namespace, \
+                 an unprivileged uid, seccomp filters) needs sproutd to run as root"
+            );
+            cmd
+        } else {
+            tracing::info!(
+                "workers run jailed: uid {DEFAULT_UID}, own mount namespace and root under {}, \
+                 seccomp filters",
+                jails_dir.display()
+            );
+            cmd.jailed(DEFAULT_UID, DEFAULT_GID).jail_root(&jails_dir)
+        };
         Self {
             cmd,
             vms_dir: data_dir.join("vms"),
+            jails_dir,
         }
     }
 
@@ -63,30 +119,59 @@ impl Supervisor {
         self.vms_dir.join(id.to_string())
     }
 
+    /// Whether workers start jailed.
+    pub fn jailed(&self) -> bool {
+        self.cmd.jail.is_some()
+    }
+
+    /// Makes the sandbox's directory and its `vm/` (the jail uid's when
+    /// jailed); both as canonical paths, which is where exposed files are
+    /// in a jail.
+    fn make_dirs(&self, id: Uuid) -> Result<(PathBuf, PathBuf), String> {
+        let dir = self.vm_dir(id);
+        let rw = dir.join(VM_SUBDIR);
+        std::fs::create_dir_all(&rw).map_err(|e| format!("Cannot create {}: {e}", rw.display()))?;
+        let dir = dir
+            .canonicalize()
+            .map_err(|e| format!("Cannot resolve {}: {e}", dir.display()))?;
+        let rw = dir.join(VM_SUBDIR);
+        if let Some(j) = &self.cmd.jail {
+            give(&rw, j.uid, j.gid)?;
+            rustix::fs::chmod(&rw, rustix::fs::Mode::from_raw_mode(0o700))
+                .map_err(|e| format!("Cannot set the mode of {}: {e}", rw.display()))?;
+        }
+        Ok((dir, rw))
+    }
+
     /// Starts a worker for `s` and boots its VM from `image_path` (for Linux
     /// guests; the test guest needs none). Returns once the VM runs, before
     /// its guest has booted.
     pub fn boot(&self, s: &Sandbox, image_path: Option<&Path>) -> Result<Booted, BootError> {
-        let dir = self.vm_dir(s.id);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| BootError::Failed(format!("Cannot create {}: {e}", dir.display())))?;
+        let (dir, rw) = self.make_dirs(s.id).map_err(BootError::Failed)?;
+        let vsock = vmm::VsockConfig {
+            guest_cid: linux::GUEST_CID,
+            uds_path: rw.join("vsock.sock"),
+        };
         let (spec, guest) = if s.image == TEST_GUEST_IMAGE {
             let mut cfg = vmm::VmConfig::new(testguest_build::TESTGUEST_PATH);
             cfg.vcpus = s.cpus;
             cfg.mem_mib = u64::from(s.memory_mb);
+            // Its guest echoes on vsock port 1234: the host side of a
+            // sandbox's vsock socket can be checked without an agent.
+            cfg.vsock = Some(vsock);
             cfg.validate()
                 .map_err(|e| BootError::Failed(format!("Invalid VM configuration: {e}")))?;
             (cfg.spec(), GuestKind::TestGuest)
         } else {
             let run = LinuxRun {
                 image: image_path.map(|p| p.to_string_lossy().into_owned()),
-                disk: Some(dir.join("disk.ext4")),
-                vsock_uds: Some(dir.join("vsock.sock")),
+                disk: Some(rw.join("disk.ext4")),
+                vsock_uds: Some(vsock.uds_path),
                 cpus: s.cpus,
                 memory_mib: u64::from(s.memory_mb),
                 ..LinuxRun::new()
             };
-            let cfg = linux::vm_config(&run, &dir).map_err(|e| match e {
+            let cfg = linux::vm_config(&run, &rw).map_err(|e| match e {
                 linux::LinuxError::Probe(_)
                 | linux::LinuxError::NoKernel(_)
                 | linux::LinuxError::NoImage { .. }
@@ -95,21 +180,52 @@ impl Supervisor {
             })?;
             (cfg.spec(), GuestKind::Linux)
         };
-        let sock = dir.join("control.sock");
-        let console = dir.join("console.log");
+        if let Some(j) = &self.cmd.jail {
+            // The disks its VM writes are the jail uid's (the copy of the
+            // template sproutd just made is root's).
+            for d in spec.disks.iter().filter(|d| !d.read_only) {
+                give(&d.path, j.uid, j.gid).map_err(BootError::Failed)?;
+            }
+        }
+        let sock = dir.join(CONTROL_SOCK);
+        let console = dir.join(CONSOLE_LOG);
+        let log = dir.join(WORKER_LOG);
+        let tails = || format!("{}{}", console_tail(&console), log_tail(&log));
         let mut worker = self
             .cmd
+            .clone()
+            .log_to(&log)
             .spawn(&sock, None, Some(&console))
-            .map_err(|e| BootError::Failed(format!("Cannot start a worker: {}", chain(&e))))?;
-        let boot = Request::Boot(BootSpec {
-            spec,
-            instance_id: None,
-        });
-        let booted = match worker.client.call(&boot) {
-            Ok(Response::Ok) => worker.client.describe(),
-            Ok(_) => Err(sprout_worker::ClientError::Unexpected("boot", "answer")),
-            Err(e) => Err(e),
+            .map_err(|e| {
+                BootError::Failed(format!(
+                    "Cannot start a worker: {}{}{}",
+                    chain(&e),
+                    if self.jailed() {
+                        " (sproutd runs as root and jails its workers, which needs mounts and \
+                         namespaces: where it cannot make them, run it with --no-jail)"
+                    } else {
+                        ""
+                    },
+                    log_tail(&log)
+                ))
+            })?;
+        let spec = match &worker.jail {
+            None => Ok(spec),
+            Some(j) => expose(j, spec, &rw)
+                .map_err(|e| format!("Cannot expose the VM's files to its jail: {}", chain(&e))),
         };
+        let booted = spec.and_then(|spec| {
+            let boot = Request::Boot(BootSpec {
+                spec,
+                instance_id: None,
+            });
+            let r = match worker.client.call(&boot) {
+                Ok(Response::Ok) => worker.client.describe(),
+                Ok(_) => Err(sprout_worker::ClientError::Unexpected("boot", "answer")),
+                Err(e) => Err(e),
+            };
+            r.map_err(|e| format!("The worker could not boot the VM: {}", chain(&e)))
+        });
         match booted {
             Ok(d) => Ok(Booted {
                 vsock: d.vsock_uds,
@@ -120,11 +236,7 @@ impl Supervisor {
                 let _ = worker.client.stop();
                 let _ = worker.child.kill();
                 let _ = worker.wait();
-                Err(BootError::Failed(format!(
-                    "The worker could not boot the VM: {}{}",
-                    chain(&e),
-                    console_tail(&console)
-                )))
+                Err(BootError::Failed(format!("{e}{}", tails())))
             }
         }
     }
@@ -152,7 +264,7 @@ impl Supervisor {
                 return Err(BootError::Failed(format!(
                     "The agent did not answer within {limit:?} (last error: {}){}",
                     chain(&e),
-                    console_tail(&self.vm_dir(id).join("console.log"))
+                    self.tails(id)
                 )));
             }
             if last_check.elapsed() > Duration::from_secs(1) {
@@ -169,7 +281,7 @@ impl Supervisor {
                 if let Some(why) = gone {
                     return Err(BootError::Failed(format!(
                         "The VM ended before its agent answered ({why}){}",
-                        console_tail(&self.vm_dir(id).join("console.log"))
+                        self.tails(id)
                     )));
                 }
             }
@@ -177,14 +289,64 @@ impl Supervisor {
         }
     }
 
+    /// The ends of the sandbox's console and worker log, as a suffix of a
+    /// failure reason.
+    fn tails(&self, id: Uuid) -> String {
+        let dir = self.vm_dir(id);
+        format!(
+            "{}{}",
+            console_tail(&dir.join(CONSOLE_LOG)),
+            log_tail(&dir.join(WORKER_LOG))
+        )
+    }
+
+    /// The jail of the worker whose control socket `sock` links to one, if
+    /// that is under `<data dir>/jails` (`<jails>/<jail id>/root` +
+    /// [`CONTROL_SOCKET`]): how a jail is found after a restart.
+    fn jail_of(&self, sock: &Path) -> Option<Jail> {
+        let target = std::fs::read_link(sock).ok()?;
+        let base = self.jails_dir.canonicalize().ok()?;
+        let rest = target.strip_prefix(&base).ok()?;
+        let mut comps = rest.components();
+        let Some(Component::Normal(id)) = comps.next() else {
+            return None;
+        };
+        let inner = Path::new("root").join(CONTROL_SOCKET.trim_start_matches('/'));
+        (comps.as_path() == inner).then(|| Jail::open(base.join(id)))
+    }
+
     /// Stops the sandbox's worker (if any still answers) and waits for it to
-    /// exit, then removes the sandbox's directory.
+    /// exit, then removes its jail (if it has one) and the sandbox's
+    /// directory.
     pub fn stop(&self, s: &Sandbox, child: Option<WorkerProcess>) -> Result<(), String> {
-        let sock = s.worker_socket.clone();
+        let dir = self.vm_dir(s.id);
+        // A worker sproutd started but had not recorded yet is on the
+        // sandbox's own socket path.
+        let sock = s.worker_socket.clone().or_else(|| {
+            let p = dir.join(CONTROL_SOCK);
+            p.symlink_metadata().is_ok().then_some(p)
+        });
+        let jail = match &child {
+            Some(w) => w.jail.clone(),
+            None => sock.as_deref().and_then(|p| self.jail_of(p)),
+        };
         if let Some(sock) = &sock {
             if let Ok(mut c) = Client::connect(sock) {
-                if let Err(e) = c.stop() {
-                    tracing::warn!(vm = %s.id, "stop: {}", chain(&e));
+                match c.describe() {
+                    // Only the sandbox's own worker is told to stop.
+                    Ok(d) if s.pid.is_some_and(|p| p != d.pid) => {
+                        return Err(format!(
+                            "Another process (pid {}) answers on the worker's socket {}: not \
+                             stopping it",
+                            d.pid,
+                            sock.display()
+                        ))
+                    }
+                    _ => {
+                        if let Err(e) = c.stop() {
+                            tracing::warn!(vm = %s.id, "stop: {}", chain(&e));
+                        }
+                    }
                 }
             }
         }
@@ -203,11 +365,12 @@ impl Supervisor {
                         Ok(None) => std::thread::sleep(Duration::from_millis(20)),
                     }
                 }
-                let _ = w.cleanup();
+                // Its jail is removed below, before the directory.
+                w.jail = None;
             }
             None => {
                 // An adopted worker is not our child: wait until its socket
-                // no longer answers.
+                // no longer answers, then (a moment) until it has exited.
                 if let Some(sock) = &sock {
                     let t = Instant::now();
                     while Client::connect(sock).is_ok() {
@@ -220,9 +383,23 @@ impl Supervisor {
                         std::thread::sleep(Duration::from_millis(20));
                     }
                 }
+                if let Some(pid) = s.pid {
+                    let t = Instant::now();
+                    while alive(pid) && t.elapsed() < STOP_TIMEOUT {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
             }
         }
-        let dir = self.vm_dir(s.id);
+        if let Some(j) = jail {
+            j.remove().map_err(|e| {
+                format!(
+                    "Cannot remove the worker's jail {}: {}",
+                    j.dir().display(),
+                    chain(&e)
+                )
+            })?;
+        }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -242,7 +419,10 @@ impl Supervisor {
         match describe(sock) {
             Err(e) => (
                 State::Failed,
-                Some(format!("The sandbox's worker is gone ({e})")),
+                Some(format!(
+                    "The sandbox's worker is gone ({e}){}",
+                    log_tail(&self.vm_dir(s.id).join(WORKER_LOG))
+                )),
             ),
             Ok(d) if s.pid.is_some_and(|p| p != d.pid) => (
                 State::Failed,
@@ -263,6 +443,45 @@ impl Supervisor {
     }
 }
 
+/// Exposes into `jail` what the VM of `spec` needs (see the module docs):
+/// `rw`, the sandbox's `vm/`, read-write; the kernel read-only; each disk
+/// outside `rw` as the disk is. Returns the spec with every path as the
+/// worker sees it: exposed files are at their canonical host paths.
+fn expose(jail: &Jail, mut spec: VmSpec, rw: &Path) -> Result<VmSpec, JailError> {
+    jail.expose(rw, false)?;
+    spec.kernel = jail.expose(&spec.kernel, true)?;
+    for d in spec.disks.iter_mut().filter(|d| !d.path.starts_with(rw)) {
+        d.path = jail.expose(&d.path, d.read_only)?;
+    }
+    Ok(spec)
+}
+
+/// Gives `path` to the jail's uid and gid.
+fn give(path: &Path, uid: u32, gid: u32) -> Result<(), String> {
+    rustix::fs::chown(
+        path,
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+    )
+    .map_err(|e| {
+        format!(
+            "Cannot give {} to the jail's uid {uid}: {e}",
+            path.display()
+        )
+    })
+}
+
+/// Whether process `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        !s.rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z')
+    })
+}
+
 /// Describes the worker on `sock`.
 pub fn describe(sock: &Path) -> Result<Description, String> {
     let mut c = Client::connect(sock).map_err(|e| chain(&e))?;
@@ -272,6 +491,15 @@ pub fn describe(sock: &Path) -> Result<Description, String> {
 /// The last [`CONSOLE_TAIL`] bytes of a console file, as a suffix of a
 /// failure reason (empty if there is none).
 fn console_tail(path: &Path) -> String {
+    tail(path, "console ends")
+}
+
+/// The end of a worker's log (a refused syscall is said there), likewise.
+fn log_tail(path: &Path) -> String {
+    tail(path, "worker log ends")
+}
+
+fn tail(path: &Path, what: &str) -> String {
     let mut f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(_) => return String::new(),
@@ -285,6 +513,6 @@ fn console_tail(path: &Path) -> String {
     if text.is_empty() {
         String::new()
     } else {
-        format!("; console ends:\n{text}")
+        format!("; {what}:\n{text}")
     }
 }
