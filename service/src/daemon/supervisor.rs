@@ -235,7 +235,9 @@ impl Supervisor {
             Err(e) => {
                 let _ = worker.client.stop();
                 let _ = worker.child.kill();
-                let _ = worker.wait();
+                if let Err(w) = worker.wait() {
+                    tracing::warn!(vm = %s.id, "after a failed boot: {w}");
+                }
                 Err(BootError::Failed(format!("{e}{}", tails())))
             }
         }
