@@ -14,6 +14,7 @@ mod exec;
 mod exec_limits;
 mod files;
 mod images;
+pub mod in_process;
 mod lab;
 mod metrics;
 pub mod openapi;
