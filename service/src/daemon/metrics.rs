@@ -79,10 +79,25 @@ fn label(s: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// A request's method as a label: the standard ones by name, any other as
+/// `other`. HTTP takes any token as a method, so a client sending a new
+/// one each time would otherwise add a series per request, without bound
+/// (found by the `http_api` fuzz target).
+fn method_label(method: &str) -> &str {
+    match method {
+        "GET" | "HEAD" | "POST" | "PUT" | "DELETE" | "PATCH" | "OPTIONS" | "CONNECT" | "TRACE" => {
+            method
+        }
+        _ => "other",
+    }
+}
+
 impl Metrics {
+    /// Counts an answer. `route` must be a route template (or a fixed word
+    /// such as `unmatched`), never a raw path.
     pub fn request(&self, route: &str, method: &str, status: u16) {
         let mut r = super::lock(&self.requests);
-        *r.entry((route.to_owned(), method.to_owned(), status))
+        *r.entry((route.to_owned(), method_label(method).to_owned(), status))
             .or_insert(0) += 1;
     }
 
@@ -154,6 +169,29 @@ fn proc_kib(status: &str, key: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn methods_a_client_invents_share_one_series() {
+        let m = Metrics::default();
+        for i in 0..1000 {
+            m.request("unmatched", &format!("M{i}"), 404);
+        }
+        m.request("unmatched", "GET", 404);
+        m.request("unmatched", "DELETE", 404);
+        let text = m.render(&[]);
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("sproutd_http_requests_total{"))
+            .collect();
+        assert_eq!(
+            series,
+            [
+                "sproutd_http_requests_total{route=\"unmatched\",method=\"DELETE\",status=\"404\"} 1",
+                "sproutd_http_requests_total{route=\"unmatched\",method=\"GET\",status=\"404\"} 1",
+                "sproutd_http_requests_total{route=\"unmatched\",method=\"other\",status=\"404\"} 1000",
+            ]
+        );
+    }
 
     #[test]
     fn histograms_are_cumulative_and_render_as_the_text_format() {
