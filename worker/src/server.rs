@@ -204,10 +204,7 @@ pub fn run(opts: WorkerOptions) -> Result<Option<ExitReason>, ServerError> {
     // Socket bound, shell built: from here on the owner runs confined, and
     // so (on top of their own filters) do the threads it starts.
     crate::jail::apply_or_exit(Kind::Owner);
-    let forbidden = crate::jail::seccomp::active()
-        && std::env::var_os(crate::jail::TEST_FORBIDDEN_ENV)
-            .is_some_and(|v| crate::jail::test_forbidden_wanted(&v));
-    Ok(serve(owner, rx, tx, listener, forbidden))
+    Ok(serve(owner, rx, tx, listener))
 }
 
 /// Serves a VM built by the caller (`sprout vm run --api-sock`) on `socket`
@@ -224,7 +221,7 @@ pub fn serve_vm(vm: Vm, socket: &Path, scratch_dir: &Path) -> Result<ExitReason,
         started_at_ms: now_ms(),
         shape: None,
     };
-    Ok(serve(owner, rx, tx, listener, false).unwrap_or(ExitReason::Stopped))
+    Ok(serve(owner, rx, tx, listener).unwrap_or(ExitReason::Stopped))
 }
 
 fn watch(exit: Arc<vmm::vcpu::ExitSignal>, tx: Sender<Event>) {
@@ -245,15 +242,14 @@ fn serve(
     rx: Receiver<Event>,
     tx: Sender<Event>,
     listener: Listener,
-    test_forbidden_syscall: bool,
 ) -> Option<ExitReason> {
     while let Ok(ev) = rx.recv() {
         match ev {
             Event::Exited => break,
             Event::Request(req, reply) => {
-                if test_forbidden_syscall {
-                    crate::jail::test_forbidden_syscall();
-                }
+                // Test builds only: a jailed owner's refused call.
+                #[cfg(feature = "test-hooks")]
+                crate::jail::test_hooks::on_request();
                 let what = req.name();
                 let t = std::time::Instant::now();
                 let (response, after) = owner.handle(req);

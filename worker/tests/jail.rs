@@ -2,7 +2,8 @@
 //! as nobody in its own mount namespace under per-thread seccomp filters
 //! and still boots, snapshots, writes and restores fork layers, restores by
 //! uffd, moves disk and vsock traffic; a worker whose filter refuses a
-//! syscall (or an ioctl request no list has) dies alone, saying which. With
+//! syscall (or an ioctl request no list has, or one its owner may make but
+//! its vCPU or uffd thread may not) dies alone, saying which. With
 //! a jail root a worker sees only its root and what is exposed into it,
 //! even files exposed after it started, and its jail goes when it does.
 //!
@@ -324,6 +325,45 @@ fn a_jailed_worker_boots_snapshots_and_forks_into_jailed_ready_workers() {
     }
 }
 
+/// Starts a jailed worker (ready for `shape` when given) with the test hook
+/// (`SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL`, compiled in only for these
+/// tests: `sprout_worker::jail::test_hooks`) set to `hook`; its process, its
+/// socket and its stderr's file.
+fn doomed(dir: &Path, hook: &str, shape: Option<Shape>) -> (std::process::Child, PathBuf, PathBuf) {
+    let sock = dir.join(format!("doomed-{hook}.sock"));
+    let log = dir.join(format!("doomed-{hook}.log"));
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sprout-worker"));
+    c.arg("--socket").arg(&sock).arg("--jail");
+    if let Some(s) = shape {
+        c.args(["--vcpus", &s.vcpus.to_string()])
+            .args(["--memory-mib", &s.mem_mib.to_string()]);
+    }
+    let child = c
+        .env("SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL", hook)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    (child, sock, log)
+}
+
+/// Waits for `child` to die of its filter: status 159, and a message on
+/// its stderr (`log`) holding each of `want`.
+fn died_of_its_filter(mut child: std::process::Child, log: &Path, want: &[&str]) {
+    let st = child.wait().unwrap();
+    assert_eq!(
+        st.code(),
+        Some(SECCOMP_EXIT),
+        "{st:?} (signal {:?})",
+        st.signal()
+    );
+    let msg = std::fs::read_to_string(log).unwrap();
+    for w in want {
+        assert!(msg.contains(w), "{w:?} not in stderr: {msg}");
+    }
+}
+
 /// Starts a jailed worker with the test hook set to `hook`, checks it dies
 /// on its first request with status 159 and a message holding each of
 /// `want`, and that a jailed sibling answers on.
@@ -332,31 +372,10 @@ fn refused(tag: &str, hook: &str, want: &[&str]) {
     let dir = jail_dir(tag);
     let mut pool = ReadyPool::new(cmd(), dir.path(), SHAPE);
     let mut sibling = pool.take().expect("a jailed sibling");
-    let sock = dir.path().join("doomed.sock");
-    let log = dir.path().join("doomed.log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sprout-worker"))
-        .arg("--socket")
-        .arg(&sock)
-        .arg("--jail")
-        .env("SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL", hook)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (child, sock, log) = doomed(dir.path(), hook, None);
     let mut c = Client::connect_wait(&sock, T).expect("it comes up");
     assert!(c.describe().is_err(), "it dies on its first request");
-    let st = child.wait().unwrap();
-    assert_eq!(
-        st.code(),
-        Some(SECCOMP_EXIT),
-        "{st:?} (signal {:?})",
-        st.signal()
-    );
-    let msg = std::fs::read_to_string(&log).unwrap();
-    for w in want {
-        assert!(msg.contains(w), "{w:?} not in stderr: {msg}");
-    }
+    died_of_its_filter(child, &log, want);
     // Its sibling answers on.
     assert_eq!(sibling.client.describe().unwrap().state, WorkerState::Ready);
     sibling.client.stop().unwrap();
@@ -387,6 +406,93 @@ fn a_kvm_ioctl_of_an_unlisted_number_is_refused() {
         "ioctl",
         &["forbidden syscall 16 (ioctl)", &req, "owner filter"],
     );
+}
+
+/// A vCPU thread is held to its own list, not the owner's it started under:
+/// a worker whose vCPU thread, once confined, asks for an ioctl the owner
+/// may make and a vCPU may not (KVM_SET_USER_MEMORY_REGION) dies as its VM
+/// boots, status 159, naming the thread, its filter and the request; a
+/// jailed sibling's running VM runs on, its devices answering.
+#[test]
+fn a_vcpu_thread_ioctl_off_its_list_ends_that_worker_alone() {
+    require_root();
+    let dir = jail_dir("jail-vcpu-ioctl");
+    let (mut sibling, uds) = boot(dir.path());
+    call(&mut sibling.client, mb::CMD_FILL, [A, 8, 5, 0]);
+    let (child, sock, log) = doomed(dir.path(), "vcpu-ioctl", None);
+    let mut c = Client::connect_wait(&sock, T).expect("it comes up");
+    assert_eq!(c.describe().unwrap().state, WorkerState::Empty);
+    let mut cfg = vmm::VmConfig::new(testguest());
+    cfg.vcpus = SHAPE.vcpus;
+    cfg.mem_mib = SHAPE.mem_mib;
+    // The answer may come before the vCPU thread starts, or never.
+    let _ = c.call(&sprout_worker::Request::Boot(BootSpec {
+        spec: cfg.spec(),
+        instance_id: None,
+    }));
+    let req = format!(
+        "request {:#x}",
+        sprout_worker::jail::ioctls::KVM_SET_USER_MEMORY_REGION
+    );
+    died_of_its_filter(
+        child,
+        &log,
+        &[
+            "thread sprout-vcpu",
+            "(vcpu filter) made forbidden syscall 16 (ioctl)",
+            &req,
+        ],
+    );
+    let r = call(&mut sibling.client, mb::CMD_CHECKSUM, [A, 8, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(5, A, 8));
+    devices(&mut sibling.client, &uds);
+    assert_eq!(
+        sibling.client.describe().unwrap().state,
+        WorkerState::Running
+    );
+    sibling.client.stop().unwrap();
+    assert!(sibling.child.wait().unwrap().success());
+}
+
+/// Likewise the uffd page server: a ready worker restoring a snapshot by
+/// userfaultfd, whose uffd thread, once confined, asks for UFFDIO_REGISTER
+/// (the owner's request, not the page server's), dies with status 159
+/// naming it; the sibling that made the snapshot runs on.
+#[test]
+fn the_uffd_thread_ioctl_off_its_list_ends_that_worker_alone() {
+    require_root();
+    let dir = jail_dir("jail-uffd-ioctl");
+    let (mut sibling, uds) = boot(dir.path());
+    call(&mut sibling.client, mb::CMD_FILL, [A, 8, 6, 0]);
+    let full = dir.path().join("full");
+    sibling.client.pause().unwrap();
+    sibling.client.snapshot(&full, false).expect("snapshot");
+    sibling.client.resume().unwrap();
+    let (child, sock, log) = doomed(dir.path(), "uffd-ioctl", Some(SHAPE));
+    let mut c = Client::connect_wait(&sock, T).expect("it comes up");
+    assert_eq!(c.describe().unwrap().state, WorkerState::Ready);
+    let _ = c.restore(spec(&full, Backend::Uffd, dir.path().join("doomed.vsock")));
+    let req = format!(
+        "request {:#x}",
+        sprout_worker::jail::ioctls::UFFDIO_REGISTER
+    );
+    died_of_its_filter(
+        child,
+        &log,
+        &[
+            "thread sprout-uffd (uffd filter) made forbidden syscall 16 (ioctl)",
+            &req,
+        ],
+    );
+    let r = call(&mut sibling.client, mb::CMD_CHECKSUM, [A, 8, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(6, A, 8));
+    devices(&mut sibling.client, &uds);
+    assert_eq!(
+        sibling.client.describe().unwrap().state,
+        WorkerState::Running
+    );
+    sibling.client.stop().unwrap();
+    assert!(sibling.child.wait().unwrap().success());
 }
 
 /// A rooted worker sees nothing of the host: from the host, its

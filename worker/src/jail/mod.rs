@@ -36,6 +36,8 @@ pub mod ioctls;
 mod names;
 pub mod root;
 pub mod seccomp;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;
 
 use std::path::{Path, PathBuf};
 
@@ -216,32 +218,4 @@ fn give_devices(o: &JailOptions) -> Result<(), JailError> {
     let _ = rustix::mount::unmount(&dir, UnmountFlags::DETACH);
     let _ = std::fs::remove_dir(&dir);
     r
-}
-
-/// The test hook: `SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL=1` makes the owner
-/// thread of a jailed worker make a syscall no filter allows (`getppid`)
-/// when it handles its first request; `=ioctl` makes it an `ioctl` of KVM's
-/// type whose number no filter lists (`KVM_SET_IDENTITY_MAP_ADDR`).
-pub const TEST_FORBIDDEN_ENV: &str = "SPROUT_WORKER_TEST_FORBIDDEN_SYSCALL";
-
-/// Whether `v`, the value of [`TEST_FORBIDDEN_ENV`], asks for the hook.
-pub fn test_forbidden_wanted(v: &std::ffi::OsStr) -> bool {
-    v == "1" || v == "ioctl"
-}
-
-pub fn test_forbidden_syscall() {
-    if std::env::var_os(TEST_FORBIDDEN_ENV).is_some_and(|v| v == "ioctl") {
-        // SAFETY: an ioctl on no descriptor (-1) with a null argument: the
-        // kernel would answer EBADF and touch no memory; the filter refuses
-        // it before that.
-        unsafe {
-            libc::ioctl(
-                -1,
-                ioctls::KVM_SET_IDENTITY_MAP_ADDR as libc::c_ulong,
-                std::ptr::null_mut::<libc::c_void>(),
-            );
-        }
-        return;
-    }
-    let _ = rustix::process::getppid();
 }

@@ -142,6 +142,8 @@ pub fn prepare() -> Result<(), SeccompError> {
         uffd: build(Kind::Uffd, log_only)?,
     };
     let _ = FILTERS.set(f);
+    #[cfg(feature = "test-hooks")]
+    super::test_hooks::init();
     install_handler()?;
     vmm::thread_hook::set(vm_thread_started);
     Ok(())
@@ -188,11 +190,14 @@ pub fn apply_or_exit(kind: Kind) {
 
 fn vm_thread_started(kind: vmm::thread_hook::ThreadKind) {
     use vmm::thread_hook::ThreadKind as T;
-    apply_or_exit(match kind {
+    let kind = match kind {
         T::Vcpu => Kind::Vcpu,
         T::Events => Kind::Events,
         T::Uffd => Kind::Uffd,
-    });
+    };
+    apply_or_exit(kind);
+    #[cfg(feature = "test-hooks")]
+    super::test_hooks::on_vm_thread(kind);
 }
 
 /// `siginfo_t` as the kernel fills it for SIGSYS (x86_64).
