@@ -1154,6 +1154,18 @@ fn vsock_echo(uds: &Path, msg: &[u8]) -> Vec<u8> {
     got
 }
 
+/// The mounts process `pid` sees (its `/proc/PID/mountinfo`, paths from its
+/// own root): mount point -> read-only.
+fn mounts_of(pid: u64) -> std::collections::BTreeMap<String, bool> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    s.lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f[4].to_owned(), f[5].split(',').any(|o| o == "ro"))
+        })
+        .collect()
+}
+
 /// The first component of an absolute path.
 fn top(p: &Path) -> String {
     p.components()
@@ -1242,6 +1254,19 @@ async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
     assert_eq!(names(&inside(&data.join("vms"))), [id.as_str()]);
     assert!(inside(&kernel).is_file());
     assert!(!root.join("etc/passwd").exists());
+    // Mounted in its view: the jail's own and exactly what the VM needs,
+    // the kernel read-only, its vm/ read-write.
+    let path = |p: &Path| p.display().to_string();
+    let want: std::collections::BTreeMap<String, bool> = [
+        ("/".to_owned(), false),
+        ("/dev".to_owned(), true),
+        ("/proc/self".to_owned(), true),
+        (path(&kernel), true),
+        (path(&vm_dir.join("vm")), false),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(mounts_of(pid), want);
     // Its control socket is in its jail, linked from the sandbox's.
     let jails = dir.join("jails");
     assert_eq!(names(&jails).len(), 1);

@@ -30,6 +30,7 @@ pid=$(echo "$out" | sed -n 's/.*"workerPid":\([0-9]*\).*/\1/p')
 echo "jail-status: $(grep -E '^(Seccomp|CapEff|NoNewPrivs):' /proc/$pid/status | tr -s '\t\n' '  ')"
 echo "jail-root: $(ls /proc/$pid/root | tr '\n' ' ')"
 echo "jail-vm: $(ls /proc/$pid/root/tmp/sd/vms/$id | tr '\n' ' ')"
+echo "jail-mounts: $(awk '{ split($6, o, ","); print $5 "=" o[1] }' /proc/$pid/mountinfo | tr '\n' ' ')"
 x="/v1/runtime/vms/$id/exec"
 echo "python: $(api POST $x '{"command":"python3","argv":["-c","print(2**100)"]}')"
 echo "shell: $(api POST $x '{"command":"/bin/sh","argv":["-c","echo $X; cat; echo oops >&2; exit 3"],"env":{"X":"from-env"},"stdin":"fed"}')"
@@ -266,6 +267,21 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     }
     assert_eq!(out.values("jail-root:"), ["dev opt proc tmp worker"], "{o}");
     assert_eq!(out.values("jail-vm:"), ["vm"], "{o}");
+    // Mounted in its view: the jail's own and exactly what the VM needs,
+    // kernel and base image read-only, its vm/ read-write.
+    let mut mounts: Vec<&str> = out.values("jail-mounts:")[0].split_whitespace().collect();
+    mounts.sort_unstable();
+    let vm = format!("/tmp/sd/vms/{id}/vm=rw");
+    let mut want = vec![
+        "/=rw",
+        "/dev=ro",
+        "/proc/self=ro",
+        "/opt/sprout/vmlinux=ro",
+        "/opt/sprout/images/default.ext4=ro",
+        vm.as_str(),
+    ];
+    want.sort_unstable();
+    assert_eq!(mounts, want, "{o}");
 
     let py = json(&out, "python:");
     assert_eq!(py["stdout"], "1267650600228229401496703205376\n", "{o}");
