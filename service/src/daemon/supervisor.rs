@@ -291,6 +291,12 @@ impl Supervisor {
         }
     }
 
+    /// The end of the sandbox's worker log, as a suffix of a failure
+    /// reason (empty if there is none).
+    pub fn worker_log_tail(&self, id: Uuid) -> String {
+        log_tail(&self.vm_dir(id).join(WORKER_LOG))
+    }
+
     /// The ends of the sandbox's console and worker log, as a suffix of a
     /// failure reason.
     fn tails(&self, id: Uuid) -> String {
@@ -332,8 +338,12 @@ impl Supervisor {
             Some(w) => w.jail.clone(),
             None => sock.as_deref().and_then(|p| self.jail_of(p)),
         };
+        // Whether a worker answered: one that does not is gone already
+        // (nothing listens on its socket), and its pid may be another's.
+        let mut answered = false;
         if let Some(sock) = &sock {
             if let Ok(mut c) = Client::connect(sock) {
+                answered = true;
                 match c.describe() {
                     // Only the sandbox's own worker is told to stop.
                     Ok(d) if s.pid.is_some_and(|p| p != d.pid) => {
@@ -385,7 +395,7 @@ impl Supervisor {
                         std::thread::sleep(Duration::from_millis(20));
                     }
                 }
-                if let Some(pid) = s.pid {
+                if let Some(pid) = s.pid.filter(|_| answered) {
                     let t = Instant::now();
                     while alive(pid) && t.elapsed() < STOP_TIMEOUT {
                         std::thread::sleep(Duration::from_millis(20));
@@ -423,7 +433,7 @@ impl Supervisor {
                 State::Failed,
                 Some(format!(
                     "The sandbox's worker is gone ({e}){}",
-                    log_tail(&self.vm_dir(s.id).join(WORKER_LOG))
+                    self.worker_log_tail(s.id)
                 )),
             ),
             Ok(d) if s.pid.is_some_and(|p| p != d.pid) => (

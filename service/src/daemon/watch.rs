@@ -56,7 +56,11 @@ async fn exited(app: &Arc<App>, id: Uuid, pid: u32) {
         Some(st) => describe_status(st),
         None => "exited".to_owned(),
     };
-    let why = format!("The sandbox's worker (pid {pid}) {how} while the sandbox ran");
+    // Its log says why, when it could (a refused syscall names itself).
+    let why = format!(
+        "The sandbox's worker (pid {pid}) {how} while the sandbox ran{}",
+        app.supervisor.worker_log_tail(id)
+    );
     let marked = app
         .db(move |r| {
             let Some(s) = r.get_sandbox(id)? else {
@@ -84,7 +88,12 @@ async fn exited(app: &Arc<App>, id: Uuid, pid: u32) {
 fn describe_status(st: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt as _;
     if let Some(code) = st.code() {
-        return format!("exited with status {code}");
+        let seccomp = if code == sprout_worker::jail::SECCOMP_EXIT {
+            " (its seccomp filter refused a system call)"
+        } else {
+            ""
+        };
+        return format!("exited with status {code}{seccomp}");
     }
     match st.signal() {
         Some(sig) => {
@@ -115,5 +124,10 @@ mod tests {
         );
         let killed = describe_status(std::process::ExitStatus::from_raw(9));
         assert_eq!(killed, "was killed by signal 9 (SIGKILL)");
+        // A jailed worker's SIGSYS handler exits 159.
+        assert_eq!(
+            describe_status(std::process::ExitStatus::from_raw(159 << 8)),
+            "exited with status 159 (its seccomp filter refused a system call)"
+        );
     }
 }
