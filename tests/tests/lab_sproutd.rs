@@ -108,15 +108,20 @@ echo "hwm-kib: $(awk '/^VmHWM:/ { print $2 }' /proc/$daemon/status)"
 rm -f /tmp/64m /tmp/64m.back
 echo "rm: $(api DELETE "$f?path=d&recursive=true")"
 echo "ls-after: $(api GET "$f?path=.")"
-# A second sandbox, on the busybox image, whose worker is killed: its next
-# exec finds the worker gone and marks it failed; the first one is untouched.
+# A second sandbox, on the busybox image, whose worker is killed: it is
+# failed at once, its exec refused as such; the first one is untouched.
 out2=$(api POST /v1/runtime/schedule '{"image":"test","cpus":1,"memoryMb":128}') ||
   { echo "schedule 2 failed: $out2"; cat /tmp/sd.log; exit 13; }
 echo "second: $out2"
 id2=$(echo "$out2" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
 pid2=$(echo "$out2" | sed -n 's/.*"workerPid":\([0-9]*\).*/\1/p')
 kill -9 "$pid2"
-sleep 1
+# Its worker is watched (a pidfd): the sandbox fails with no exec to notice.
+i=0
+until api GET /v1/runtime/vms/$id2 | grep -q '"state":"failed"'; do
+  i=$((i+1)); [ $i -gt 300 ] && break
+  sleep 0.1
+done
 echo "dead-exec: $(api POST /v1/runtime/vms/$id2/exec '{"command":"true"}')"
 echo "dead: $(api GET /v1/runtime/vms/$id2)"
 echo "delete2: $(api DELETE /v1/runtime/vms/$id2)"
