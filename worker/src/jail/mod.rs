@@ -15,7 +15,7 @@
 //!    goes out), mount the jail's `/dev` (a tmpfs with `kvm` and
 //!    `userfaultfd` owned by the jail uid, `null`, `urandom`) and
 //!    `/proc/self` in DIR, `pivot_root` into DIR and detach the host's
-//!    root. The spawner exposes files into DIR while the worker runs
+//!    root (from an initramfs root: move DIR over `/` and chroot). The spawner exposes files into DIR while the worker runs
 //!    ([`Jail::expose`]), at the same paths as on the host.
 //!    Without it: make every mount private and give the devices in place:
 //!    `/dev/kvm` and `/dev/userfaultfd` are root's (0600) on the host, so

@@ -23,6 +23,9 @@
 //!   `/proc/<pid>` on `/proc/self` (read-only: metrics and the fd links read
 //!   it; no other process is visible), then `pivot_root`s into the root and
 //!   detaches the old one: the host's file system is gone from its view.
+//!   (A host running from its initramfs, as the emulated lab does, has a
+//!   `rootfs` root that `pivot_root` cannot move: there the worker moves
+//!   the jail root over `/` and chroots into it, as `switch_root` does.)
 //! - [`Jail::expose`] bind-mounts a host file or directory into the root at
 //!   **the same absolute path** (a detached clone, made `nosuid,nodev` and
 //!   read-only if asked, then moved into place, so the worker's copy gets
