@@ -508,7 +508,13 @@ pub(super) fn serve(
         addr,
         cpus: args.lab_cpus,
         memory_mib: args.lab_memory_mib.unwrap_or_else(default_memory_mib),
-        inner_args: args.exec_limits.to_args(),
+        inner_args: {
+            let mut a = args.exec_limits.to_args();
+            if args.no_jail {
+                a.push("--no-jail".into());
+            }
+            a
+        },
     };
     tracing::warn!("{why}");
     eprintln!(
