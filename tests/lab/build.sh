@@ -192,11 +192,12 @@ cp "$outer/vmlinuz" "$tmp/vmlinuz"
 rm -rf "$lab"
 mv "$tmp" "$lab"
 ln -sfn "lab-$key" "$cache/lab"
-# Keep the two newest labs, and any used in the last two hours: an older one
-# may still be in use by a test run of another checkout.
+# Keep the two newest labs, and any in use: tests/lab/run.sh and a
+# lab-hosted sproutd hold a shared lock on <lab>/.in-use while they run (an
+# older lab may serve a test run of another checkout).
 ls -dt "$cache"/lab-[0-9a-f]*[0-9a-f] 2>/dev/null | tail -n +3 |
   while read -r old; do
-    if [ -n "$(find "$old" -maxdepth 0 -mmin +120)" ]; then rm -rf "$old"; fi
+    if flock -n -x "$old/.in-use" true 2>/dev/null; then rm -rf "$old"; fi
   done
 say "built $lab in $(($(date +%s) - start)) s (initrd $(du -h "$lab/initrd.cpio" | cut -f1), images disk $(du -h "$lab/images.ext4" | cut -f1) on disk)"
 echo "$lab"

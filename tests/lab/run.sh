@@ -56,6 +56,9 @@ done
 script=$1
 shift
 [ -f "$lab/initrd.cpio" ] && [ -f "$lab/vmlinuz" ] || die "the lab is not built at $lab: run tests/lab/build.sh"
+# In use while this runs: build.sh removes no lab that is (see there).
+exec 6>>"$lab/.in-use"
+flock -s 6
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 is missing: apt-get install --no-install-recommends qemu-system-x86"
 
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/sprout-lab.XXXXXX")

@@ -150,8 +150,10 @@ fn assert_jailed(pid: u32) {
     ] {
         assert!(st.iter().any(|l| l == want), "{want:?} not in {st:?}");
     }
-    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).unwrap();
-    assert_ne!(ns(&pid.to_string()), ns("self"), "its own mount namespace");
+    for kind in ["mnt", "net"] {
+        let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/{kind}")).unwrap();
+        assert_ne!(ns(&pid.to_string()), ns("self"), "its own {kind} namespace");
+    }
 }
 
 /// A jailed worker booted with the test guest, with a disk and vsock.

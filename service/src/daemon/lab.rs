@@ -14,12 +14,16 @@
 //!
 //! This process stays in the foreground and watches the lab:
 //! - the inner sproutd's log lines are passed on to stderr (`lab: …`); the
-//!   whole console is kept in `<data-dir>/lab/console.log`;
-//! - the lab's kernel prints a heartbeat every 5 s; with none for
-//!   [`STALL`] (a frozen emulated machine, see docs/architecture.md, issue
-//!   18) or when QEMU ends by itself, the lab is started again: the registry
-//!   survives, the sandboxes that ran are marked `failed` by the next inner
-//!   sproutd;
+//!   console is kept in `<data-dir>/lab/console.log` (up to
+//!   [`CONSOLE_LOG_CAP`] a run);
+//! - the lab's init prints a heartbeat every 5 s; with none for [`STALL`]
+//!   (a frozen emulated machine, see docs/architecture.md, issue 18), with
+//!   the inner sproutd not answering `/v1/health` for [`UNHEALTHY`], or
+//!   when QEMU ends by itself (its stderr is quoted), the lab is started
+//!   again: the registry survives, the sandboxes that ran are marked
+//!   `failed` by the next inner sproutd;
+//! - a shared lock on `<lab>/.in-use` keeps tests/lab/build.sh from
+//!   removing the lab while this runs;
 //! - SIGINT or SIGTERM stop the inner sproutd and power the lab off (QEMU
 //!   is killed if it takes longer than [`STOP_GRACE`]); if this process dies
 //!   without that, QEMU gets SIGKILL from the kernel (`PR_SET_PDEATHSIG`).
@@ -49,6 +53,11 @@ const STOP_GRACE: Duration = Duration::from_secs(60);
 const DATA_DISK_GIB: u64 = 64;
 /// Console lines kept to show when the lab fails.
 const TAIL: usize = 40;
+/// Most bytes of one run's console kept in `console.log`.
+const CONSOLE_LOG_CAP: u64 = 64 << 20;
+/// Host time the lab's sproutd may fail its health check, while the lab's
+/// kernel still beats, before the lab counts as hung.
+const UNHEALTHY: Duration = Duration::from_secs(300);
 /// Restarts allowed before sproutd gives up (the count resets after an
 /// hour of running).
 const MAX_RESTARTS: u32 = 5;
@@ -80,8 +89,8 @@ pub enum LabError {
     Boot(String, String),
     #[error("The lab failed {0} times; giving up (its console: {1})")]
     GaveUp(u32, PathBuf),
-    #[error("Cannot write the lab's console log {0}")]
-    Console(PathBuf, #[source] std::io::Error),
+    #[error("Cannot write {0}")]
+    File(PathBuf, #[source] std::io::Error),
 }
 
 /// What the lab needs, resolved before anything starts.
@@ -117,6 +126,19 @@ fn default_memory_mib() -> u32 {
         })
         .unwrap_or(8 << 20);
     (total_kib / 1024 / 2).clamp(2048, 16384) as u32
+}
+
+/// A shared lock on `<lab>/.in-use`.
+fn hold_lab(lab: &Path) -> Result<std::fs::File, LabError> {
+    let path = lab.join(".in-use");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(|e| LabError::File(path.clone(), e))?;
+    rustix::fs::flock(&f, rustix::fs::FlockOperation::LockShared)
+        .map_err(|e| LabError::File(path, e.into()))?;
+    Ok(f)
 }
 
 fn find_in_path(name: &str) -> Option<PathBuf> {
@@ -193,6 +215,8 @@ struct Run {
     tail: std::sync::Arc<std::sync::Mutex<VecDeque<String>>>,
     /// The console reader: it ends when QEMU closes the console.
     reader: tokio::task::JoinHandle<()>,
+    /// QEMU's stderr, whole, once QEMU has ended.
+    qemu_stderr: tokio::task::JoinHandle<String>,
 }
 
 impl Run {
@@ -201,7 +225,7 @@ impl Run {
         // The previous boot's console, for a look after a restart.
         let _ = std::fs::rename(&console, cfg.dir.join("console.log.1"));
         let mut log =
-            std::fs::File::create(&console).map_err(|e| LabError::Console(console.clone(), e))?;
+            std::fs::File::create(&console).map_err(|e| LabError::File(console.clone(), e))?;
         let mut cmd = Command::new(&cfg.qemu);
         cmd.args(["-accel", "tcg", "-cpu", "max", "-nodefaults", "-no-reboot"])
             .args(["-display", "none", "-serial", "stdio", "-monitor", "none"])
@@ -256,9 +280,20 @@ impl Run {
         let keep = tail.clone();
         let reader = tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).split(b'\n');
+            let mut logged = 0u64;
             while let Ok(Some(raw)) = lines.next_segment().await {
-                let _ = log.write_all(&raw);
-                let _ = log.write_all(b"\n");
+                if logged < CONSOLE_LOG_CAP {
+                    logged += raw.len() as u64 + 1;
+                    let _ = log.write_all(&raw);
+                    let _ = log.write_all(b"\n");
+                    if logged >= CONSOLE_LOG_CAP {
+                        let _ = writeln!(
+                            log,
+                            "[sproutd: this log stops here, at its cap of {} MiB]",
+                            CONSOLE_LOG_CAP >> 20
+                        );
+                    }
+                }
                 let line = String::from_utf8_lossy(&raw);
                 let line = line.trim_end_matches('\r');
                 // (A terminal escape may come before a marker.)
@@ -293,12 +328,13 @@ impl Run {
         });
         // QEMU's own complaints go to the console log's neighbour.
         let qemu_log = cfg.dir.join("qemu.log");
-        tokio::spawn(async move {
+        let qemu_stderr = tokio::spawn(async move {
             let mut buf = Vec::new();
-            let _ = stderr.read_to_end(&mut buf).await;
+            let _ = (&mut stderr).take(1 << 20).read_to_end(&mut buf).await;
             if !buf.is_empty() {
                 let _ = std::fs::write(qemu_log, &buf);
             }
+            String::from_utf8_lossy(&buf).trim().to_owned()
         });
         Ok(Run {
             child,
@@ -306,7 +342,26 @@ impl Run {
             seen,
             tail,
             reader,
+            qemu_stderr,
         })
+    }
+
+    /// What to say of a QEMU that ended: its status and its stderr.
+    async fn ended(&mut self) -> String {
+        let st = match self.child.wait().await {
+            Ok(st) => st.to_string(),
+            Err(e) => format!("status unknown: {e}"),
+        };
+        let said = tokio::time::timeout(Duration::from_secs(5), &mut self.qemu_stderr)
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_default();
+        if said.is_empty() {
+            format!("QEMU ended ({st})")
+        } else {
+            format!("QEMU ended ({st}): {said}")
+        }
     }
 
     fn tail(&self) -> String {
@@ -342,10 +397,7 @@ impl Run {
                         return Err(LabError::Boot(format!("sproutd in the lab exited with {c}"), self.tail()))
                     }
                     Some(Seen::Heartbeat) => {}
-                    None => {
-                        let st = self.child.wait().await.ok();
-                        return Err(LabError::Boot(format!("QEMU ended ({st:?})"), self.tail()));
-                    }
+                    None => return Err(LabError::Boot(self.ended().await, self.tail())),
                 },
                 _ = tokio::time::sleep(Duration::from_millis(500)), if listening => {
                     if health(cfg.addr).await {
@@ -358,8 +410,10 @@ impl Run {
 
     /// Runs until the host asks to stop (Ok), or the lab ends or freezes
     /// (Err, with what happened).
-    async fn watch(&mut self, stop: &mut Stop) -> Result<(), String> {
+    async fn watch(&mut self, cfg: &Config, stop: &mut Stop) -> Result<(), String> {
         let mut last = Instant::now();
+        let mut healthy = Instant::now();
+        let mut next_check = Instant::now() + Duration::from_secs(60);
         loop {
             tokio::select! {
                 _ = stop.wait() => return Ok(()),
@@ -368,17 +422,26 @@ impl Run {
                     Some(Seen::Exit(c)) => return Err(format!("sproutd in the lab exited with {c}")),
                     Some(Seen::Failed(why)) => return Err(why),
                     Some(Seen::Listening) => {}
-                    None => {
-                        let st = self.child.wait().await.ok();
-                        return Err(format!("QEMU ended by itself ({st:?})"));
-                    }
+                    None => return Err(self.ended().await),
                 },
                 _ = tokio::time::sleep(Duration::from_secs(5)) => {
                     if last.elapsed() > STALL {
                         return Err(format!(
-                            "the emulated machine froze (no heartbeat from the lab's kernel for {} s)",
+                            "the emulated machine froze (no heartbeat from the lab for {} s)",
                             last.elapsed().as_secs()
                         ));
+                    }
+                    // The lab beats but its sproutd may hang: asked each minute.
+                    if Instant::now() >= next_check {
+                        next_check = Instant::now() + Duration::from_secs(60);
+                        if health(cfg.addr).await {
+                            healthy = Instant::now();
+                        } else if healthy.elapsed() > UNHEALTHY {
+                            return Err(format!(
+                                "the lab's sproutd has not answered /v1/health for {} s",
+                                healthy.elapsed().as_secs()
+                            ));
+                        }
                     }
                 }
             }
@@ -495,6 +558,9 @@ pub(super) fn serve(
         }
     }
     let qemu = find_in_path("qemu-system-x86_64").ok_or(LabError::NoQemu)?;
+    // Held while this process runs: tests/lab/build.sh removes no lab that
+    // is in use (a restart needs its files again).
+    let _in_use = hold_lab(&lab)?;
     let dir = data_dir.join("lab");
     std::fs::create_dir_all(&dir).map_err(|e| DaemonError::DataDir(dir.clone(), e))?;
     let addr = forward_addr(args.listen)?;
@@ -566,7 +632,7 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
         } else {
             eprintln!("sproutd: the lab is serving again on {url}");
         }
-        match run.watch(&mut stop).await {
+        match run.watch(&cfg, &mut stop).await {
             Ok(()) => {
                 eprintln!("sproutd: stopping the lab");
                 run.stop().await;
@@ -585,7 +651,8 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
                     cfg.dir.join("console.log.1").display()
                 );
                 if failures > MAX_RESTARTS {
-                    return Err(LabError::GaveUp(failures, cfg.dir.join("console.log.1")).into());
+                    // (Not started again: its console is still console.log.)
+                    return Err(LabError::GaveUp(failures, cfg.dir.join("console.log")).into());
                 }
             }
         }

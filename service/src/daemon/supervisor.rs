@@ -345,8 +345,10 @@ impl Supervisor {
             if let Ok(mut c) = Client::connect(sock) {
                 answered = true;
                 match c.describe() {
-                    // Only the sandbox's own worker is told to stop.
-                    Ok(d) if s.pid.is_some_and(|p| p != d.pid) => {
+                    // Only the sandbox's own worker is told to stop. (A
+                    // child of this sproutd is stopped below whatever pid
+                    // it claims: a worker that lies must not escape delete.)
+                    Ok(d) if child.is_none() && s.pid.is_some_and(|p| p != d.pid) => {
                         return Err(format!(
                             "Another process (pid {}) answers on the worker's socket {}: not \
                              stopping it",

@@ -121,10 +121,17 @@ pub fn enter(o: &JailOptions) -> Result<(), JailError> {
         n => return Err(JailError::Threads(n)),
     }
     seccomp::prepare()?;
-    // SAFETY: only CLONE_NEWNS: no file descriptor table is unshared, so
-    // no thread can see descriptors from another table.
-    sys("unshare the mount namespace", unsafe {
-        rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS)
+    // Its own mount namespace, and its own network namespace: a worker
+    // taken over by its guest reaches no TCP/IP service of the host (such as
+    // sproutd's own API on loopback). Nothing in a worker needs a network:
+    // its sockets are Unix sockets on paths, which work across network
+    // namespaces.
+    // SAFETY: only CLONE_NEWNS and CLONE_NEWNET: no file descriptor table
+    // is unshared, so no thread can see descriptors from another table.
+    sys("unshare the mount and network namespaces", unsafe {
+        rustix::thread::unshare_unsafe(
+            rustix::thread::UnshareFlags::NEWNS | rustix::thread::UnshareFlags::NEWNET,
+        )
     })?;
     match &o.root {
         None => {
