@@ -1228,7 +1228,11 @@ async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
     }
     // Its own network namespace: sproutd's API on loopback is out of reach.
     let net = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
-    assert_ne!(net(&pid.to_string()), net("self"), "its own network namespace");
+    assert_ne!(
+        net(&pid.to_string()),
+        net("self"),
+        "its own network namespace"
+    );
     // Its root: the jail's own entries, and the paths of what its VM needs.
     let vm_dir = dir.join("vms").join(&id).canonicalize().unwrap();
     let kernel = Path::new(testguest_build::TESTGUEST_PATH)
