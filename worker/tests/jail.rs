@@ -456,6 +456,39 @@ fn a_vcpu_thread_ioctl_off_its_list_ends_that_worker_alone() {
     assert!(sibling.child.wait().unwrap().success());
 }
 
+/// A jailed worker's threads may free much memory at once: glibc's
+/// per-thread malloc arenas read /proc/sys/vm/overcommit_memory as they
+/// first shrink a heap, an openat no filter allows (it once killed an
+/// events thread after a burst of vsock traffic). The jail keeps every
+/// thread on the main arena, which shrinks with brk: a worker whose events
+/// thread allocates and frees 32 MiB runs on.
+#[test]
+fn a_jailed_thread_that_frees_much_memory_runs_on() {
+    require_root();
+    let dir = jail_dir("jail-heap-churn");
+    let (mut child, sock, log) = doomed(dir.path(), "heap-churn", None);
+    let mut c = Client::connect_wait(&sock, T).expect("it comes up");
+    let mut cfg = vmm::VmConfig::new(testguest());
+    cfg.vcpus = SHAPE.vcpus;
+    cfg.mem_mib = SHAPE.mem_mib;
+    c.call(&sprout_worker::Request::Boot(BootSpec {
+        spec: cfg.spec(),
+        instance_id: None,
+    }))
+    .expect("it boots");
+    call(&mut c, mb::CMD_FILL, [A, 8, 7, 0]);
+    let r = call(&mut c, mb::CMD_CHECKSUM, [A, 8, 0, 0]);
+    assert_eq!(r[0], pattern_checksum(7, A, 8));
+    assert_eq!(c.describe().unwrap().state, WorkerState::Running);
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "it died: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    c.stop().unwrap();
+    assert!(child.wait().unwrap().success());
+}
+
 /// Likewise the uffd page server: a ready worker restoring a snapshot by
 /// userfaultfd, whose uffd thread, once confined, asks for UFFDIO_REGISTER
 /// (the owner's request, not the page server's), dies with status 159

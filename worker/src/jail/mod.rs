@@ -120,6 +120,20 @@ pub fn enter(o: &JailOptions) -> Result<(), JailError> {
         1 => {}
         n => return Err(JailError::Threads(n)),
     }
+    // One malloc arena for every thread. glibc's per-thread arenas, when
+    // they shrink a heap after large frees, read
+    // /proc/sys/vm/overcommit_memory (once, lazily, from whichever thread
+    // frees): an openat that no thread's filter allows, and which killed
+    // an events thread after a burst of vsock traffic. The main arena
+    // shrinks with brk, which every filter allows.
+    // SAFETY: mallopt only sets a malloc parameter; no thread but this one
+    // exists yet (checked above), so no arena is in use elsewhere.
+    if unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) } != 1 {
+        return Err(JailError::Sys(
+            "limit malloc to one arena",
+            std::io::Error::other("mallopt(M_ARENA_MAX) failed"),
+        ));
+    }
     seccomp::prepare()?;
     // Its own mount namespace, and its own network namespace: a worker
     // taken over by its guest reaches no TCP/IP service of the host (such as

@@ -249,6 +249,31 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut
     if i64::from(nr) == libc::SYS_ioctl {
         let _ = write!(b, " request {:#x}", arg1 as u64 & 0xffff_ffff);
     }
+    if i64::from(nr) == libc::SYS_openat && arg1 != 0 {
+        // The path asked for: what would have been opened says who asked.
+        let mut path = [0u8; 96];
+        let mut n = 0;
+        while n < path.len() {
+            // SAFETY: RSI of an interrupted openat is its path argument, a
+            // NUL-terminated string the caller passed; it is read byte by
+            // byte up to its NUL or 96 bytes. A caller's bad pointer would
+            // fault here, which ends the worker as the refusal would.
+            let c = unsafe { *((arg1 as usize + n) as *const u8) };
+            if c == 0 {
+                break;
+            }
+            path[n] = c;
+            n += 1;
+        }
+        // (No allocation in a signal handler: printable ASCII, else '?'.)
+        for c in &mut path[..n] {
+            if !c.is_ascii_graphic() {
+                *c = b'?';
+            }
+        }
+        let shown = std::str::from_utf8(&path[..n]).unwrap_or("?");
+        let _ = write!(b, " of \"{shown}\"");
+    }
     let _ = writeln!(b, "; the worker exits with status {SECCOMP_EXIT}");
     // SAFETY: write(2) and _exit(2) are async-signal-safe and allowed by
     // every filter; the buffer is valid for n bytes.

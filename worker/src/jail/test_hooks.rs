@@ -12,6 +12,7 @@
 //! | `ioctl` | the owner, on its first request | `ioctl` `KVM_SET_IDENTITY_MAP_ADDR` (in no list) |
 //! | `vcpu-ioctl` | each vCPU thread, once its filter is in place | `ioctl` `KVM_SET_USER_MEMORY_REGION` (the owner's, not the vCPU's) |
 //! | `uffd-ioctl` | the uffd page server, once its filter is in place | `ioctl` `UFFDIO_REGISTER` (the owner's, not the uffd thread's) |
+//! | `heap-churn` | the events thread, once its filter is in place | none of its own: 32 MiB in 64 KiB blocks allocated and freed, so that malloc shrinks that thread's heap (a regression test: glibc's per-thread arenas read /proc/sys/vm/overcommit_memory then) |
 //!
 //! Each is one fixed call: an `ioctl` on no descriptor (-1) with a null
 //! argument, which even a filter that let it through would see refused by
@@ -32,6 +33,7 @@ enum Hook {
     OwnerIoctl,
     VcpuIoctl,
     UffdIoctl,
+    HeapChurn,
 }
 
 static HOOK: OnceLock<Option<Hook>> = OnceLock::new();
@@ -42,6 +44,7 @@ fn parse(v: &str) -> Option<Hook> {
         "ioctl" => Some(Hook::OwnerIoctl),
         "vcpu-ioctl" => Some(Hook::VcpuIoctl),
         "uffd-ioctl" => Some(Hook::UffdIoctl),
+        "heap-churn" => Some(Hook::HeapChurn),
         _ => None,
     }
 }
@@ -89,6 +92,13 @@ pub(super) fn on_vm_thread(kind: Kind) {
     match (hook(), kind) {
         (Some(Hook::VcpuIoctl), Kind::Vcpu) => refused_ioctl(ioctls::KVM_SET_USER_MEMORY_REGION),
         (Some(Hook::UffdIoctl), Kind::Uffd) => refused_ioctl(ioctls::UFFDIO_REGISTER),
+        (Some(Hook::HeapChurn), Kind::Events) => {
+            // Below the mmap threshold, so from this thread's arena; all
+            // freed at once, so its heap's top is trimmed.
+            let blocks: Vec<Vec<u8>> = (0..512).map(|i| vec![i as u8; 64 << 10]).collect();
+            std::hint::black_box(&blocks);
+            drop(blocks);
+        }
         _ => {}
     }
 }
