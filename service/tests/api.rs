@@ -276,7 +276,7 @@ async fn bad_bodies_get_the_envelope_with_a_4xx_never_a_500() {
 /// Sends the head of a POST announcing an `n`-byte JSON body, and no body;
 /// the answer's status and body.
 fn announced_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let addr = d.base.strip_prefix("http://").unwrap();
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -286,6 +286,14 @@ fn announced_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
          Content-Length: {n}\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
+    let (status, _, body) = read_answer(&mut s);
+    (status, body)
+}
+
+/// Reads a whole HTTP answer off `s`: its status, lower-cased head and body
+/// (every answer has a request id).
+fn read_answer(s: &mut std::net::TcpStream) -> (u16, String, String) {
+    use std::io::Read;
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     let text = String::from_utf8_lossy(&raw).into_owned();
@@ -295,14 +303,15 @@ fn announced_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
         .and_then(|c| c.parse().ok())
         .unwrap_or_else(|| panic!("no answer: {text:?}"));
     let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    assert!(head.to_ascii_lowercase().contains("x-request-id"), "{head}");
-    (status, body.to_owned())
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("x-request-id"), "{head}");
+    (status, head, body.to_owned())
 }
 
 /// POSTs `n` bytes of JSON whitespace in chunks (no Content-Length) over a
 /// plain connection; the answer's status and body.
 fn chunked_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let addr = d.base.strip_prefix("http://").unwrap();
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -325,17 +334,7 @@ fn chunked_post(d: &Daemon, path: &str, n: usize) -> (u16, String) {
         sent += chunk.len();
     }
     let _ = s.write_all(b"0\r\n\r\n");
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no answer: {text:?}"));
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let head = head.to_ascii_lowercase();
-    assert!(head.contains("x-request-id"), "{head}");
+    let (status, head, body) = read_answer(&mut s);
     // The rest of the body is not read: the connection is not reused.
     if status == 413 {
         assert!(head.contains("connection: close"), "{head}");

@@ -446,8 +446,9 @@ pub async fn remove(
 /// Bytes of a raw transfer buffered between HTTP and the agent.
 const RAW_PIPE: usize = 256 * 1024;
 
+// The errors of both raw transfers.
 errors!(
-    GetRawErrors = [
+    RawErrors = [
         BadRequest,
         InvalidPath,
         PathEscape,
@@ -471,7 +472,7 @@ errors!(
     tag = "files",
     params(("id" = String, Path, description = VM), PathQuery),
     responses((status = 200, description = "The file's bytes", body = [u8],
-        content_type = "application/octet-stream"), GetRawErrors))]
+        content_type = "application/octet-stream"), RawErrors))]
 pub async fn get_raw(
     State(app): State<Arc<App>>,
     vm: Vm,
@@ -504,22 +505,6 @@ pub async fn get_raw(
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
-errors!(
-    PutRawErrors = [
-        BadRequest,
-        InvalidPath,
-        PathEscape,
-        FileNotFound,
-        FileConflict,
-        PermissionDenied,
-        FileError,
-        VmNotFound,
-        NotSupported,
-        InvalidState,
-        AgentUnavailable,
-    ]
-);
-
 /// Upload a file
 ///
 /// The request body streamed into the file (created or replaced), with no
@@ -529,7 +514,7 @@ errors!(
     tag = "files",
     params(("id" = String, Path, description = VM), PathQuery),
     request_body(content = [u8], content_type = "application/octet-stream", description = "The file's bytes"),
-    responses((status = 200, description = "Written", body = Written), PutRawErrors))]
+    responses((status = 200, description = "Written", body = Written), RawErrors))]
 pub async fn put_raw(
     State(app): State<Arc<App>>,
     vm: Vm,
