@@ -33,8 +33,29 @@ pub type ConnKey = (u32, u32);
 pub const MAX_PENDING_RSTS: usize = 1024;
 /// Most host connections accepted per listener event.
 const ACCEPT_BATCH: usize = 64;
-/// First host port handed to host-initiated connections.
+/// Host ports handed to host-initiated connections are at least this.
 const FIRST_LOCAL_PORT: u32 = 1 << 30;
+
+/// Where a new muxer's host ports start: a random point in
+/// `[FIRST_LOCAL_PORT, 2 * FIRST_LOCAL_PORT)`. A restored VM's guest may
+/// still hold sockets of connections its snapshot had (a socket the guest
+/// closed waits for its peer for seconds, and a transport reset does not
+/// remove it): a new connection from the same host port would meet that
+/// socket and be refused with a RST (seen in the emulated lab: the first
+/// execs after a restore refused now and then). Starting elsewhere in 2^30
+/// ports each time makes a collision negligible; the state format stays.
+fn first_port() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    // std's RandomState: random keys per thread (from the kernel's
+    // getrandom once), a fresh key for each one made.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    FIRST_LOCAL_PORT + (h.finish() as u32 & (FIRST_LOCAL_PORT - 1))
+}
 
 /// A change the event loop must make to its watch list.
 #[derive(Debug)]
@@ -102,7 +123,7 @@ impl Muxer {
             handshakes: HashMap::new(),
             fds: HashMap::new(),
             local_ports: HashMap::new(),
-            next_port: FIRST_LOCAL_PORT,
+            next_port: first_port(),
             rxq: VecDeque::new(),
             rsts: VecDeque::new(),
             poll_ops: Vec::new(),
@@ -502,6 +523,17 @@ fn connect(path: &Path) -> std::io::Result<UnixStream> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn each_muxer_starts_its_host_ports_somewhere_else() {
+        let starts: std::collections::BTreeSet<u32> =
+            (0..64).map(|_| super::first_port()).collect();
+        assert!(starts.len() >= 60, "{starts:?}");
+        assert!(starts
+            .iter()
+            .all(|p| (super::FIRST_LOCAL_PORT..2 * super::FIRST_LOCAL_PORT).contains(p)));
+    }
+
     use super::*;
     use crate::virtio::vsock::packet::{SHUTDOWN_RCV, SHUTDOWN_SEND};
     use std::io::{Read, Write};
