@@ -35,6 +35,21 @@ pub enum Code {
     UnknownImage,
     /// The request is impossible in the sandbox's current state.
     InvalidState,
+    /// The sandbox is paused by an operator: exec, file and process calls
+    /// wait for a resume (they never wake it).
+    Paused,
+    /// No snapshot has this id.
+    SnapshotNotFound,
+    /// No checkpoint has this id.
+    CheckpointNotFound,
+    /// The sandbox has as many checkpoints as it may keep.
+    TooManyCheckpoints,
+    /// A snapshot could not be written, or a sandbox's VM could not be
+    /// restored from one.
+    SnapshotFailed,
+    /// The template of the create's (image, shape) is being built: retry
+    /// after `Retry-After` seconds.
+    TemplateBuilding,
     /// This host's KVM cannot run Linux guests (see /v1/info).
     HostUnsupported,
     /// The sandbox's VM did not come up (its worker or guest failed).
@@ -93,19 +108,26 @@ impl Code {
             Self::Busy | Self::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::NotFound | Self::VmNotFound | Self::ProcessNotFound => StatusCode::NOT_FOUND,
+            Self::NotFound
+            | Self::VmNotFound
+            | Self::ProcessNotFound
+            | Self::SnapshotNotFound
+            | Self::CheckpointNotFound => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::InvalidState | Self::StdinClosed => StatusCode::CONFLICT,
-            Self::HostUnsupported => StatusCode::SERVICE_UNAVAILABLE,
-            Self::BootFailed | Self::AgentUnavailable | Self::WorkerFailed => {
-                StatusCode::BAD_GATEWAY
+            Self::InvalidState | Self::Paused | Self::TooManyCheckpoints | Self::StdinClosed => {
+                StatusCode::CONFLICT
             }
+            Self::HostUnsupported | Self::TemplateBuilding => StatusCode::SERVICE_UNAVAILABLE,
+            Self::BootFailed
+            | Self::AgentUnavailable
+            | Self::WorkerFailed
+            | Self::SnapshotFailed => StatusCode::BAD_GATEWAY,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 29] = [
+    pub const ALL: [Code; 35] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -121,8 +143,12 @@ impl Code {
         Self::ProcessNotFound,
         Self::FileNotFound,
         Self::VmNotFound,
+        Self::SnapshotNotFound,
+        Self::CheckpointNotFound,
         Self::MethodNotAllowed,
         Self::InvalidState,
+        Self::Paused,
+        Self::TooManyCheckpoints,
         Self::StdinClosed,
         Self::FileConflict,
         Self::PermissionDenied,
@@ -134,7 +160,9 @@ impl Code {
         Self::BootFailed,
         Self::AgentUnavailable,
         Self::WorkerFailed,
+        Self::SnapshotFailed,
         Self::HostUnsupported,
+        Self::TemplateBuilding,
     ];
 
     /// The code's name in answers (`vm_not_found`).
@@ -164,7 +192,13 @@ impl Code {
             Self::FileNotFound => "No such file or directory in the sandbox",
             Self::VmNotFound => "No sandbox has this id (also for an id that is not a UUID)",
             Self::MethodNotAllowed => "The route exists, the method does not (`Allow` says which do)",
-            Self::InvalidState => "Impossible in the sandbox's current state (the message says which)",
+            Self::InvalidState => "Impossible in the sandbox's current state (`state` says which)",
+            Self::Paused => "The sandbox is paused by an operator: resume it first (exec, file and process calls never wake it)",
+            Self::SnapshotNotFound => "No snapshot has this id",
+            Self::CheckpointNotFound => "No checkpoint has this id",
+            Self::TooManyCheckpoints => "The sandbox has 10 checkpoints: delete one first",
+            Self::SnapshotFailed => "A snapshot could not be written, or a VM restored from one (the message says why)",
+            Self::TemplateBuilding => "The create's (image, shape) template is being built (a first create boots it once): retry after `Retry-After` seconds",
             Self::StdinClosed => "The background process's stdin is closed (or was never open)",
             Self::FileConflict => "A path of the wrong kind, one that exists, or a directory not empty",
             Self::PermissionDenied => "The agent may not touch that file",
@@ -203,6 +237,8 @@ pub struct ApiError {
     pub field: Option<&'static str>,
     /// Seconds for the `Retry-After` header (a 429 always has one).
     pub retry_after: Option<u64>,
+    /// The sandbox's state, when that is why (a 409).
+    pub state: Option<&'static str>,
 }
 
 /// `Retry-After` of a 429 that names no better time.
@@ -215,6 +251,15 @@ impl ApiError {
             message: message.into(),
             field: None,
             retry_after: None,
+            state: None,
+        }
+    }
+
+    /// `code` because the sandbox is in `state`.
+    pub fn in_state(code: Code, state: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            state: Some(state),
+            ..Self::new(code, message)
         }
     }
 
@@ -271,6 +316,10 @@ struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     field: Option<&'a str>,
+    /// The sandbox's current state, when the request is impossible in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false, value_type = Option<super::registry::State>)]
+    state: Option<&'a str>,
 }
 
 impl IntoResponse for ApiError {
@@ -287,6 +336,7 @@ impl IntoResponse for ApiError {
                 code: self.code,
                 message: &self.message,
                 field: self.field,
+                state: self.state,
             },
         };
         let mut resp = (self.code.status(), axum::Json(body)).into_response();

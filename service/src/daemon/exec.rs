@@ -19,7 +19,6 @@ use utoipa::ToSchema;
 
 use super::error::{chain, ApiError, Code};
 use super::exec_limits::{ExecLimits, ExecSlot};
-use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
 use super::routes::{check_env, ApiJson};
@@ -159,6 +158,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         ExecFailed,
         StdinClosed,
         ProcessNotFound,
@@ -200,7 +200,7 @@ pub async fn exec(
     ApiJson(req): ApiJson<ExecReq>,
 ) -> Result<Response, ApiError> {
     let stdin = check(&req)?;
-    let (s, agent) = agent_for(&app, &id).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&id).await?;
     // Held until the answer is complete (a background process: while it
     // starts); refused at once over the limits.
     let slot = limits.try_acquire(s.id).inspect_err(|e| {
@@ -221,6 +221,7 @@ pub async fn exec(
     if req.background {
         let started = super::procs::start(&app, &s, &agent, x, stdin, req.stdin_open).await;
         drop(slot);
+        drop(busy);
         return started;
     }
     let streamed = headers
@@ -231,7 +232,7 @@ pub async fn exec(
     tracing::info!(vm = %s.id, command = %x.command, streamed, "exec");
     let t = std::time::Instant::now();
     if streamed {
-        return stream(app, s, agent, x, stdin, slot).await;
+        return stream(app, s, agent, x, stdin, (slot, busy)).await;
     }
     let out = match agent.exec_output(x, stdin, MAX_OUTPUT).await {
         Ok(out) => out,
@@ -239,6 +240,7 @@ pub async fn exec(
     };
     app.metrics.exec.observe(t.elapsed());
     drop(slot);
+    drop(busy);
     let (stdout, stdout_base64) = text(out.stdout);
     let (stderr, stderr_base64) = text(out.stderr);
     let e = out.exit;
@@ -255,40 +257,6 @@ pub async fn exec(
         stderr_truncated: e.stderr_truncated,
     })
     .into_response())
-}
-
-/// The sandbox `id` names and its agent, if it can run commands now.
-pub async fn agent_for(
-    app: &Arc<App>,
-    id: &str,
-) -> Result<(Sandbox, Arc<guest_agent::client::Client>), ApiError> {
-    let s = app.sandbox(id).await?;
-    if s.image == TEST_GUEST_IMAGE {
-        return Err(ApiError::new(
-            Code::NotSupported,
-            format!(
-                "Sandbox {} runs the test guest, which has no agent to exec in",
-                s.id
-            ),
-        ));
-    }
-    if s.state != VmState::Running {
-        return Err(ApiError::new(
-            Code::InvalidState,
-            format!(
-                "Sandbox {} is {}: this needs it running",
-                s.id,
-                s.state.as_str()
-            ),
-        ));
-    }
-    let agent = app.agent(&s).ok_or_else(|| {
-        ApiError::new(
-            Code::AgentUnavailable,
-            format!("Sandbox {} has no vsock socket", s.id),
-        )
-    })?;
-    Ok((s, agent))
 }
 
 /// What the `exit` event of a streamed exec carries.
@@ -382,7 +350,7 @@ async fn stream(
     agent: Arc<guest_agent::client::Client>,
     mut x: Exec,
     stdin: Option<Vec<u8>>,
-    slot: ExecSlot,
+    slot: (ExecSlot, super::lifecycle::Busy),
 ) -> Result<Response, ApiError> {
     if stdin.is_some() {
         x.stdin = guest_agent::protocol::StdinMode::Stream;

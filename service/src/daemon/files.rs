@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, Code};
-use super::exec::{agent_for, failure};
+use super::exec::failure;
 use super::openapi::errors;
 use super::routes::ApiJson;
 use super::App;
@@ -154,6 +154,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -170,7 +171,11 @@ pub async fn list(
     q: Q<PathQuery>,
 ) -> Result<Json<Listing>, ApiError> {
     let q = path_query(q)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     let all = match agent.list(&q.path).await {
         Ok(v) => v,
         Err(e) => return Err(file_error(&app, &s, &q.path, e).await),
@@ -205,6 +210,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -229,7 +235,11 @@ pub async fn get_content(
     q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
     let q = path_query(q)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     // One byte past the limit tells a longer file.
     let read = async {
         let mut r = agent
@@ -293,6 +303,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -325,7 +336,11 @@ pub async fn put_content(
             "The content is not UTF-8 text",
         ));
     }
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     match agent.write_bytes(&q.path, &body).await {
         Ok(bytes) => Ok(Json(Written {
             path: q.path,
@@ -369,6 +384,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -385,7 +401,11 @@ pub async fn mkdir(
     ApiJson(req): ApiJson<MkdirReq>,
 ) -> Result<Json<Made>, ApiError> {
     check_path(&req.path)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     match agent.mkdir(&req.path, req.parents).await {
         Ok(()) => Ok(Json(Made {
             path: req.path,
@@ -415,6 +435,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -433,7 +454,11 @@ pub async fn remove(
     q: Q<RemoveQuery>,
 ) -> Result<Json<Removed>, ApiError> {
     let q = query(q, |q| &q.path)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     match agent.remove(&q.path, q.recursive).await {
         Ok(()) => Ok(Json(Removed {
             path: q.path,
@@ -459,6 +484,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         AgentUnavailable,
     ]
 );
@@ -479,7 +505,7 @@ pub async fn get_raw(
     q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
     let q = path_query(q)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&vm).await?;
     // The first chunk tells a missing file or an escape from a good start.
     let first = async {
         let mut r = agent.read_file(&q.path, 0, None).await?;
@@ -501,7 +527,11 @@ pub async fn get_raw(
         }
     });
     use futures_util::StreamExt as _;
-    let body = axum::body::Body::from_stream(head.chain(rest));
+    // Busy (never put to sleep) until the body is sent or dropped.
+    let body = axum::body::Body::from_stream(head.chain(rest).map(move |x| {
+        let _ = &busy;
+        x
+    }));
     Ok(([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response())
 }
 
@@ -522,7 +552,11 @@ pub async fn put_raw(
     body: axum::body::Body,
 ) -> Result<Json<Written>, ApiError> {
     let q = path_query(q)?;
-    let (s, agent) = agent_for(&app, &vm).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&vm).await?;
     let (mut rd, mut wr) = tokio::io::duplex(RAW_PIPE);
     let feeder = tokio::spawn(async move {
         use futures_util::StreamExt as _;

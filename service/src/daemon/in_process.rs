@@ -38,6 +38,8 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         agents: Mutex::new(HashMap::new()),
         children: Mutex::new(HashMap::new()),
         metrics: metrics::Metrics::default(),
+        lifecycle: Default::default(),
+        templates: true,
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))
 }

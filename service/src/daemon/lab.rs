@@ -579,6 +579,9 @@ pub(super) fn serve(
             if args.no_jail {
                 a.push("--no-jail".into());
             }
+            if args.no_templates {
+                a.push("--no-templates".into());
+            }
             a
         },
     };

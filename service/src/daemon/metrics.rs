@@ -68,6 +68,16 @@ pub struct Metrics {
     pub create: Histogram,
     /// Buffered execs, from the request to the exit.
     pub exec: Histogram,
+    /// Snapshots written (user, sleep, hibernate, checkpoint, fork), the
+    /// write and its verification.
+    pub snapshot: Histogram,
+    /// Wakes, from the restore's start to a running sandbox.
+    pub wake: Histogram,
+    /// New sandboxes restored from a snapshot (a fork's children, a
+    /// schedule from a snapshot), to a running sandbox.
+    pub restore: Histogram,
+    /// Forks, from the request to every child's result.
+    pub fork: Histogram,
     /// (route template, method, status) -> count.
     requests: Mutex<BTreeMap<(String, String, u16), u64>>,
 }
@@ -150,6 +160,30 @@ impl Metrics {
             "Time of a buffered exec (request to exit).",
             &mut out,
         );
+        for (h, name, help) in [
+            (
+                &self.snapshot,
+                "sproutd_snapshot_seconds",
+                "Time to write and verify a snapshot.",
+            ),
+            (
+                &self.wake,
+                "sproutd_wake_seconds",
+                "Time to wake a sleeping or hibernated sandbox.",
+            ),
+            (
+                &self.restore,
+                "sproutd_restore_seconds",
+                "Time to start a new sandbox from a snapshot.",
+            ),
+            (
+                &self.fork,
+                "sproutd_fork_seconds",
+                "Time of a fork, request to every child's result.",
+            ),
+        ] {
+            h.render(name, help, &mut out);
+        }
         out
     }
 }

@@ -16,12 +16,16 @@ mod files;
 mod images;
 pub mod in_process;
 mod lab;
+mod lifecycle;
 mod metrics;
 pub mod openapi;
 mod procs;
 pub mod registry;
+mod rest;
 mod routes;
+mod store;
 mod supervisor;
+mod templates;
 mod watch;
 
 use std::collections::HashMap;
@@ -83,6 +87,11 @@ pub struct DaemonArgs {
     /// every worker (docs/api.md, "Jailed workers").
     #[arg(long)]
     pub no_jail: bool,
+    /// Cold-boot every create instead of restoring its (image, shape)'s
+    /// template (by default the first create builds one and is answered
+    /// `503 template_building`; docs/api.md, "Templates").
+    #[arg(long)]
+    pub no_templates: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +138,10 @@ pub struct App {
     /// not our children.
     children: Mutex<HashMap<Uuid, sprout_worker::WorkerProcess>>,
     metrics: metrics::Metrics,
+    /// Per-sandbox transition locks and activity (rest states).
+    lifecycle: lifecycle::Lifecycle,
+    /// Creates restore their (image, shape)'s template (else cold-boot).
+    templates: bool,
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -295,8 +308,9 @@ fn print_banner(url: &str, lab_disk: Option<&Path>) {
     let exec = r#"'{"command":"uname","argv":["-a"]}'"#;
     let _ = writeln!(
         out,
-        "  Try a sandbox from the default image and a command in it (a first boot takes a while):\n    \
-         id=$(curl -sf -X POST {url}/v1/runtime/schedule {json} -d '{{}}' | {vm_id}) && \\\n    \
+        "  Try a sandbox from the default image and a command in it (the first create builds the \
+         image's template, answered 503 with Retry-After until it is ready; curl retries):\n    \
+         id=$(curl -sf --retry 60 -X POST {url}/v1/runtime/schedule {json} -d '{{}}' | {vm_id}) && \\\n    \
          curl -s -X POST {url}/v1/runtime/vms/$id/exec {json} -d {exec}"
     );
     let keep = lab_disk.map_or(String::new(), |d| {
@@ -345,6 +359,8 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         agents: Mutex::new(HashMap::new()),
         children: Mutex::new(HashMap::new()),
         metrics: metrics::Metrics::default(),
+        lifecycle: lifecycle::Lifecycle::default(),
+        templates: !args.no_templates,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -354,6 +370,11 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         if let Err(e) = app.adopt_all().await {
             tracing::error!("re-adopting workers: {}", e.message);
         }
+        if let Err(e) = app.recover_templates().await {
+            tracing::error!("recovering template builds: {}", e.message);
+        }
+        app.collect_garbage().await;
+        lifecycle::sweeper(&app);
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .map_err(|e| DaemonError::Listen(args.listen, e))?;

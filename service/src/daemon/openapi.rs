@@ -57,6 +57,8 @@ is answered `429 too_many_requests` with `Retry-After` (seconds) at once.";
         (name = "exec", description = "Run commands in a sandbox, buffered or streamed"),
         (name = "processes", description = "Background processes: list, attach, stdin, signal"),
         (name = "files", description = "Files under /workspace in a sandbox"),
+        (name = "rest states", description = "Pause, resume, sleep, hibernate, wake, reboot, snapshot and fork a sandbox; snapshots"),
+        (name = "checkpoints", description = "Named snapshots of a sandbox: take, list, restore in place, spawn, delete"),
     )
 )]
 pub struct ApiDoc;
@@ -112,7 +114,7 @@ pub fn error_responses(codes: &[Code]) -> BTreeMap<String, RefOr<Response>> {
             let mut resp = ResponseBuilder::new()
                 .description(text.join("\n\n"))
                 .content("application/json", content.build());
-            if status == 429 {
+            if status == 429 || codes.contains(&Code::TemplateBuilding) {
                 resp = resp.header(
                     "Retry-After",
                     HeaderBuilder::new()
@@ -385,7 +387,7 @@ pub mod tests {
         let ops = operations(&doc);
         assert_eq!(
             ops.len(),
-            20,
+            37,
             "{:?}",
             ops.iter().map(|o| (&o.0, &o.1)).collect::<Vec<_>>()
         );

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::error::{ApiError, Code};
-use super::exec::{agent_for, failure, sse_response, Chunk};
+use super::exec::{failure, sse_response, Chunk};
 use super::openapi::errors;
 use super::routes::ApiJson;
 use super::App;
@@ -180,6 +180,7 @@ errors!(
         VmNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         ExecFailed,
         AgentUnavailable
     ]
@@ -196,7 +197,11 @@ pub async fn list(
     State(app): State<Arc<App>>,
     Path(id): Path<String>,
 ) -> Result<Json<ProcList>, ApiError> {
-    let (s, agent) = agent_for(&app, &id).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&id).await?;
     let procs = match agent.proc_list().await {
         Ok(p) => p,
         Err(e) => return Err(failure(&app, &s, &e).await),
@@ -252,6 +257,7 @@ errors!(
         ProcessNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         ExecFailed,
         AgentUnavailable,
     ]
@@ -296,7 +302,7 @@ pub async fn events(
         ),
         None => q.last_event_id,
     };
-    let (s, agent) = agent_for(&app, &id).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&id).await?;
     let mut stream = agent
         .attach(exec, after)
         .await
@@ -304,6 +310,8 @@ pub async fn events(
     let (tx, rx) = tokio::sync::mpsc::channel::<Event>(STREAM_BUFFER);
     let vm = s.id;
     tokio::spawn(async move {
+        // Attached: the sandbox is busy (never put to sleep) meanwhile.
+        let _busy = busy;
         loop {
             let ev = match stream.next_event().await {
                 Ok(Some(ProcEvent::Output { seq, stream, data })) => {
@@ -400,6 +408,7 @@ errors!(
         StdinClosed,
         NotSupported,
         InvalidState,
+        Paused,
         ExecFailed,
         AgentUnavailable,
     ]
@@ -430,7 +439,9 @@ pub async fn stdin(
     } else {
         req.data.into_bytes()
     };
-    let (_, agent) = agent_for(&app, &id).await?;
+    let super::lifecycle::Live {
+        agent, busy: _busy, ..
+    } = app.live(&id).await?;
     if !data.is_empty() {
         agent
             .proc_stdin(exec, &data)
@@ -527,6 +538,7 @@ errors!(
         ProcessNotFound,
         NotSupported,
         InvalidState,
+        Paused,
         ExecFailed,
         AgentUnavailable,
     ]
@@ -550,7 +562,11 @@ pub async fn signal(
 ) -> Result<Json<Signalled>, ApiError> {
     let exec = exec_id(&exec)?;
     let sig = signal_number(&req.signal)?;
-    let (s, agent) = agent_for(&app, &id).await?;
+    let super::lifecycle::Live {
+        s,
+        agent,
+        busy: _busy,
+    } = app.live(&id).await?;
     agent.kill(exec, sig).await.map_err(|e| proc_error(&e))?;
     tracing::info!(vm = %s.id, exec_id = exec, signal = sig, "signalled");
     Ok(Json(Signalled {

@@ -64,6 +64,38 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX sandboxes_by_state ON sandboxes(state);
     "#,
+    // 2: rest states. A snapshot knows what it is for, what it was taken
+    // of (image, shape, base env), its parent in its chain and its depth;
+    // a sandbox knows the snapshot its VM's next diff builds on (`lineage`)
+    // and, asleep or hibernated, the one that wakes it (`rest`).
+    r#"
+    ALTER TABLE snapshots ADD COLUMN kind TEXT NOT NULL DEFAULT 'user'
+        CHECK (kind IN ('user', 'rest', 'checkpoint', 'template', 'dropped'));
+    ALTER TABLE snapshots ADD COLUMN parent_id TEXT REFERENCES snapshots(id);
+    ALTER TABLE snapshots ADD COLUMN depth INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE snapshots ADD COLUMN image TEXT NOT NULL DEFAULT '';
+    ALTER TABLE snapshots ADD COLUMN cpus INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE snapshots ADD COLUMN memory_mb INTEGER NOT NULL DEFAULT 128;
+    ALTER TABLE snapshots ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE snapshots ADD COLUMN size_bytes INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE snapshots ADD COLUMN diff INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN lineage_snapshot_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN rest_snapshot_id TEXT;
+    ALTER TABLE sandboxes ADD COLUMN hostname TEXT;
+    CREATE INDEX snapshots_by_vm ON snapshots(vm_id, kind);
+    CREATE TABLE templates (
+        image          TEXT NOT NULL,
+        cpus           INTEGER NOT NULL,
+        memory_mb      INTEGER NOT NULL,
+        state          TEXT NOT NULL CHECK (state IN ('building', 'ready', 'failed')),
+        snapshot_id    TEXT REFERENCES snapshots(id),
+        failure_reason TEXT,
+        build_id       TEXT,
+        build_ms       INTEGER,
+        updated_ms     INTEGER NOT NULL,
+        PRIMARY KEY (image, cpus, memory_mb)
+    );
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -167,6 +199,138 @@ pub struct Sandbox {
     pub parent_vm_id: Option<Uuid>,
     pub snapshot_id: Option<Uuid>,
     pub failure_reason: Option<String>,
+    /// The snapshot its VM's next diff builds on (the last one it took or
+    /// was restored from); none after a boot.
+    pub lineage_snapshot_id: Option<Uuid>,
+    /// Sleeping or hibernated: the snapshot that wakes it.
+    pub rest_snapshot_id: Option<Uuid>,
+    /// The host name its guest keeps across sleeps and wakes (set after
+    /// its first restore).
+    pub hostname: Option<String>,
+}
+
+/// What a snapshot is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[schema(as = SnapshotKind)]
+pub enum SnapshotKind {
+    /// Taken by `POST /vms/{id}/snapshot` or a fork: kept until deleted.
+    User,
+    /// A sleeping or hibernated sandbox's memory and disk (sproutd's own).
+    Rest,
+    /// A named checkpoint of a sandbox.
+    Checkpoint,
+    /// An (image, shape)'s template: a booted VM whose agent answered.
+    Template,
+    /// Deleted, but kept on disk while a later snapshot or a sandbox
+    /// still builds on it.
+    Dropped,
+}
+
+impl SnapshotKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::User => "user",
+            Self::Rest => "rest",
+            Self::Checkpoint => "checkpoint",
+            Self::Template => "template",
+            Self::Dropped => "dropped",
+        }
+    }
+}
+
+impl FromStr for SnapshotKind {
+    type Err = RegistryError;
+
+    fn from_str(s: &str) -> Result<Self, RegistryError> {
+        Ok(match s {
+            "user" => Self::User,
+            "rest" => Self::Rest,
+            "checkpoint" => Self::Checkpoint,
+            "template" => Self::Template,
+            "dropped" => Self::Dropped,
+            other => {
+                return Err(RegistryError::BadRow(format!(
+                    "unknown snapshot kind {other:?}"
+                )))
+            }
+        })
+    }
+}
+
+/// One snapshot as recorded: its directory (the snapshot itself, as the
+/// `snapshot` crate wrote it) and what it was taken of.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotRow {
+    pub id: Uuid,
+    /// The sandbox it was taken of (which may be gone since).
+    pub vm_id: Option<Uuid>,
+    /// A checkpoint's name.
+    pub name: Option<String>,
+    pub dir: PathBuf,
+    pub kind: SnapshotKind,
+    /// The snapshot it is a diff on (none for a full one).
+    pub parent_id: Option<Uuid>,
+    /// Snapshots in its chain, itself included.
+    pub depth: u32,
+    pub image: String,
+    pub cpus: u8,
+    pub memory_mb: u32,
+    pub env: BTreeMap<String, String>,
+    pub size_bytes: u64,
+    pub created_ms: u64,
+}
+
+/// Where a template's build is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+#[schema(as = TemplateState)]
+pub enum TemplateState {
+    Building,
+    Ready,
+    Failed,
+}
+
+impl TemplateState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Building => "building",
+            Self::Ready => "ready",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+impl FromStr for TemplateState {
+    type Err = RegistryError;
+
+    fn from_str(s: &str) -> Result<Self, RegistryError> {
+        Ok(match s {
+            "building" => Self::Building,
+            "ready" => Self::Ready,
+            "failed" => Self::Failed,
+            other => {
+                return Err(RegistryError::BadRow(format!(
+                    "unknown template state {other:?}"
+                )))
+            }
+        })
+    }
+}
+
+/// The template of one (image, shape).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TemplateRow {
+    pub image: String,
+    pub cpus: u8,
+    pub memory_mb: u32,
+    pub state: TemplateState,
+    pub snapshot_id: Option<Uuid>,
+    pub failure_reason: Option<String>,
+    /// While building: the build's id (its VM's directory under `vms/`).
+    pub build_id: Option<Uuid>,
+    pub build_ms: Option<u64>,
+    pub updated_ms: u64,
 }
 
 /// An image found on disk.
@@ -228,8 +392,10 @@ impl Registry {
         self.conn.execute(
             "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
                 idle_timeout_secs, env, metadata, worker_socket, vsock_socket, pid, created_ms,
-                parent_vm_id, snapshot_id, failure_reason)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+                parent_vm_id, snapshot_id, failure_reason, lineage_snapshot_id,
+                rest_snapshot_id, hostname)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+                ?17, ?18, ?19)",
             params![
                 s.id.to_string(),
                 s.state.as_str(),
@@ -247,9 +413,214 @@ impl Registry {
                 s.parent_vm_id.map(|u| u.to_string()),
                 s.snapshot_id.map(|u| u.to_string()),
                 s.failure_reason,
+                s.lineage_snapshot_id.map(|u| u.to_string()),
+                s.rest_snapshot_id.map(|u| u.to_string()),
+                s.hostname,
             ],
         )?;
         Ok(())
+    }
+
+    /// Records where a sandbox's worker is (none: it has no worker, as
+    /// when asleep); false if there is no such sandbox.
+    pub fn set_worker_opt(
+        &self,
+        id: Uuid,
+        worker: Option<(&Path, Option<&Path>, u32)>,
+    ) -> Result<bool, RegistryError> {
+        match worker {
+            Some((sock, vsock, pid)) => self.set_worker(id, sock, vsock, pid),
+            None => Ok(self.conn.execute(
+                "UPDATE sandboxes SET vsock_socket = NULL, pid = NULL WHERE id = ?1",
+                [id.to_string()],
+            )? == 1),
+        }
+    }
+
+    /// Sets the snapshots a sandbox builds on and wakes from.
+    pub fn set_snapshots(
+        &self,
+        id: Uuid,
+        lineage: Option<Uuid>,
+        rest: Option<Uuid>,
+    ) -> Result<bool, RegistryError> {
+        let n = self.conn.execute(
+            "UPDATE sandboxes SET lineage_snapshot_id = ?2, rest_snapshot_id = ?3 WHERE id = ?1",
+            params![
+                id.to_string(),
+                lineage.map(|u| u.to_string()),
+                rest.map(|u| u.to_string())
+            ],
+        )?;
+        Ok(n == 1)
+    }
+
+    pub fn set_hostname(&self, id: Uuid, hostname: &str) -> Result<bool, RegistryError> {
+        let n = self.conn.execute(
+            "UPDATE sandboxes SET hostname = ?2 WHERE id = ?1",
+            params![id.to_string(), hostname],
+        )?;
+        Ok(n == 1)
+    }
+
+    pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), RegistryError> {
+        self.conn.execute(
+            "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
+                memory_mb, env, size_bytes, created_ms, diff)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+            params![
+                s.id.to_string(),
+                s.vm_id.map(|u| u.to_string()),
+                s.name,
+                s.dir.to_string_lossy(),
+                s.kind.as_str(),
+                s.parent_id.map(|u| u.to_string()),
+                s.depth,
+                s.image,
+                s.cpus,
+                s.memory_mb,
+                json(&s.env),
+                s.size_bytes as i64,
+                s.created_ms as i64,
+                s.parent_id.is_some(),
+            ],
+        )?;
+        Ok(())
+    }
+
+    pub fn get_snapshot(&self, id: Uuid) -> Result<Option<SnapshotRow>, RegistryError> {
+        self.conn
+            .query_row(
+                &format!("SELECT {SNAP_COLUMNS} FROM snapshots WHERE id = ?1"),
+                [id.to_string()],
+                row_snapshot,
+            )
+            .optional()?
+            .transpose()
+    }
+
+    /// Every snapshot, oldest first.
+    pub fn list_snapshots(&self) -> Result<Vec<SnapshotRow>, RegistryError> {
+        let mut st = self.conn.prepare(&format!(
+            "SELECT {SNAP_COLUMNS} FROM snapshots ORDER BY created_ms, id"
+        ))?;
+        let rows = st.query_map([], row_snapshot)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
+    }
+
+    pub fn set_snapshot_kind(&self, id: Uuid, kind: SnapshotKind) -> Result<bool, RegistryError> {
+        let n = self.conn.execute(
+            "UPDATE snapshots SET kind = ?2 WHERE id = ?1",
+            params![id.to_string(), kind.as_str()],
+        )?;
+        Ok(n == 1)
+    }
+
+    /// Records the template of its (image, shape), replacing any.
+    pub fn put_template(&self, t: &TemplateRow) -> Result<(), RegistryError> {
+        self.conn.execute(
+            "INSERT OR REPLACE INTO templates (image, cpus, memory_mb, state, snapshot_id,
+                failure_reason, build_id, build_ms, updated_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            params![
+                t.image,
+                t.cpus,
+                t.memory_mb,
+                t.state.as_str(),
+                t.snapshot_id.map(|u| u.to_string()),
+                t.failure_reason,
+                t.build_id.map(|u| u.to_string()),
+                t.build_ms.map(|v| v as i64),
+                t.updated_ms as i64,
+            ],
+        )?;
+        Ok(())
+    }
+
+    /// Every template, by image and shape.
+    pub fn list_templates(&self) -> Result<Vec<TemplateRow>, RegistryError> {
+        let mut st = self.conn.prepare(
+            "SELECT image, cpus, memory_mb, state, snapshot_id, failure_reason, build_id,
+                build_ms, updated_ms FROM templates ORDER BY image, cpus, memory_mb",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, u8>(1)?,
+                r.get::<_, u32>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, Option<String>>(4)?,
+                r.get::<_, Option<String>>(5)?,
+                r.get::<_, Option<String>>(6)?,
+                r.get::<_, Option<i64>>(7)?,
+                r.get::<_, i64>(8)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (image, cpus, memory_mb, state, snap, why, build, ms, updated) = row?;
+            out.push(TemplateRow {
+                image,
+                cpus,
+                memory_mb,
+                state: state.parse()?,
+                snapshot_id: uuid_col(snap, "template snapshot_id")?,
+                failure_reason: why,
+                build_id: uuid_col(build, "template build_id")?,
+                build_ms: ms.map(|v| v.max(0) as u64),
+                updated_ms: updated.max(0) as u64,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The snapshots nothing needs any more: every one that is not a user
+    /// snapshot, a checkpoint or a template's, that no sandbox builds on,
+    /// wakes from or was made from, and that is in the chain of no kept
+    /// snapshot. Their records are removed here (children before
+    /// parents); the caller removes their directories.
+    pub fn collect_garbage(&mut self) -> Result<Vec<SnapshotRow>, RegistryError> {
+        let snaps = self.list_snapshots()?;
+        let by_id: std::collections::HashMap<Uuid, &SnapshotRow> =
+            snaps.iter().map(|s| (s.id, s)).collect();
+        let mut roots: Vec<Uuid> = snaps
+            .iter()
+            .filter(|s| matches!(s.kind, SnapshotKind::User | SnapshotKind::Checkpoint))
+            .map(|s| s.id)
+            .collect();
+        roots.extend(self.list_templates()?.iter().filter_map(|t| t.snapshot_id));
+        for s in self.list_sandboxes()? {
+            roots.extend(s.lineage_snapshot_id);
+            roots.extend(s.rest_snapshot_id);
+            roots.extend(s.snapshot_id);
+        }
+        let mut keep = std::collections::HashSet::new();
+        for mut id in roots {
+            // Each chain is at most a few snapshots deep; `keep` stops loops.
+            while keep.insert(id) {
+                match by_id.get(&id).and_then(|s| s.parent_id) {
+                    Some(p) => id = p,
+                    None => break,
+                }
+            }
+        }
+        let mut gone: Vec<SnapshotRow> = snaps
+            .iter()
+            .filter(|s| !keep.contains(&s.id))
+            .cloned()
+            .collect();
+        // Deepest first: a child's record goes before its parent's.
+        gone.sort_by_key(|s| std::cmp::Reverse(s.depth));
+        let tx = self.conn.transaction()?;
+        for s in &gone {
+            tx.execute("DELETE FROM snapshots WHERE id = ?1", [s.id.to_string()])?;
+        }
+        tx.commit()?;
+        Ok(gone)
     }
 
     /// Records where a sandbox's worker is; false if there is no such sandbox.
@@ -355,7 +726,45 @@ impl Registry {
 
 const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle_timeout_secs, \
     env, metadata, worker_socket, vsock_socket, pid, created_ms, parent_vm_id, snapshot_id, \
-    failure_reason";
+    failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname";
+
+const SNAP_COLUMNS: &str = "id, vm_id, name, dir, kind, parent_id, depth, image, cpus, memory_mb, \
+    env, size_bytes, created_ms";
+
+fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryError>> {
+    let id: String = r.get(0)?;
+    let vm: Option<String> = r.get(1)?;
+    let name: Option<String> = r.get(2)?;
+    let dir: String = r.get(3)?;
+    let kind: String = r.get(4)?;
+    let parent: Option<String> = r.get(5)?;
+    let depth: u32 = r.get(6)?;
+    let image: String = r.get(7)?;
+    let cpus: u8 = r.get(8)?;
+    let memory_mb: u32 = r.get(9)?;
+    let env: String = r.get(10)?;
+    let size: i64 = r.get(11)?;
+    let created: i64 = r.get(12)?;
+    Ok((|| {
+        Ok(SnapshotRow {
+            id: Uuid::parse_str(&id)
+                .map_err(|_| RegistryError::BadRow(format!("snapshot id {id:?}")))?,
+            vm_id: uuid_col(vm, "vm_id")?,
+            name,
+            dir: PathBuf::from(dir),
+            kind: kind.parse()?,
+            parent_id: uuid_col(parent, "parent_id")?,
+            depth,
+            image,
+            cpus,
+            memory_mb,
+            env: serde_json::from_str(&env)
+                .map_err(|e| RegistryError::BadRow(format!("env of snapshot {id}: {e}")))?,
+            size_bytes: size.max(0) as u64,
+            created_ms: created.max(0) as u64,
+        })
+    })())
+}
 
 fn json(m: &BTreeMap<String, String>) -> String {
     serde_json::to_string(m).unwrap_or_else(|_| "{}".into())
@@ -385,6 +794,9 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
         r.get::<_, i64>(12)?,
         r.get::<_, Option<String>>(15)?,
     );
+    let lineage: Option<String> = r.get(16)?;
+    let rest: Option<String> = r.get(17)?;
+    let hostname: Option<String> = r.get(18)?;
     Ok((|| {
         let (image, cpus, memory_mb, disable_internet, idle, sock, vsock, pid, created, reason) =
             fields;
@@ -409,6 +821,9 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
             parent_vm_id: uuid_col(parent, "parent_vm_id")?,
             snapshot_id: uuid_col(snapshot, "snapshot_id")?,
             failure_reason: reason,
+            lineage_snapshot_id: uuid_col(lineage, "lineage_snapshot_id")?,
+            rest_snapshot_id: uuid_col(rest, "rest_snapshot_id")?,
+            hostname,
         })
     })())
 }
@@ -435,7 +850,62 @@ mod tests {
             parent_vm_id: None,
             snapshot_id: None,
             failure_reason: None,
+            lineage_snapshot_id: None,
+            rest_snapshot_id: None,
+            hostname: None,
         }
+    }
+
+    fn snap(kind: SnapshotKind, parent: Option<&SnapshotRow>) -> SnapshotRow {
+        SnapshotRow {
+            id: Uuid::new_v4(),
+            vm_id: None,
+            name: None,
+            dir: PathBuf::from(format!("/s/{}", Uuid::new_v4())),
+            kind,
+            parent_id: parent.map(|p| p.id),
+            depth: parent.map_or(1, |p| p.depth + 1),
+            image: "test".into(),
+            cpus: 1,
+            memory_mb: 128,
+            env: BTreeMap::new(),
+            size_bytes: 4096,
+            created_ms: 1,
+        }
+    }
+
+    #[test]
+    fn garbage_is_what_no_sandbox_or_kept_snapshot_builds_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = Registry::open(&dir.path().join("registry.db")).unwrap();
+        // rest0 <- user1 (kept) ; rest0 <- rest2 (a sandbox wakes from it);
+        // dropped3 (nothing) ; rest4 (nothing) <- rest5 (nothing).
+        let rest0 = snap(SnapshotKind::Rest, None);
+        let user1 = snap(SnapshotKind::User, Some(&rest0));
+        let rest2 = snap(SnapshotKind::Rest, Some(&rest0));
+        let dropped3 = snap(SnapshotKind::Dropped, None);
+        let rest4 = snap(SnapshotKind::Rest, None);
+        let rest5 = snap(SnapshotKind::Rest, Some(&rest4));
+        for s in [&rest0, &user1, &rest2, &dropped3, &rest4, &rest5] {
+            r.insert_snapshot(s).unwrap();
+        }
+        let mut sb = sandbox("test", 1);
+        sb.rest_snapshot_id = Some(rest2.id);
+        r.insert_sandbox(&sb).unwrap();
+        let gone: Vec<Uuid> = r.collect_garbage().unwrap().iter().map(|s| s.id).collect();
+        assert_eq!(gone.len(), 3, "{gone:?}");
+        assert_eq!(gone[0], rest5.id, "a child before its parent");
+        assert!(gone.contains(&rest4.id) && gone.contains(&dropped3.id));
+        assert_eq!(r.get_snapshot(user1.id).unwrap(), Some(user1.clone()));
+        assert!(r.get_snapshot(rest0.id).unwrap().is_some());
+        // Once the sandbox wakes from nothing, rest2 goes; rest0 stays for user1.
+        r.set_snapshots(sb.id, None, None).unwrap();
+        let gone: Vec<Uuid> = r.collect_garbage().unwrap().iter().map(|s| s.id).collect();
+        assert_eq!(gone, vec![rest2.id]);
+        r.set_snapshot_kind(user1.id, SnapshotKind::Dropped)
+            .unwrap();
+        assert_eq!(r.collect_garbage().unwrap().len(), 2);
+        assert!(r.list_snapshots().unwrap().is_empty());
     }
 
     #[test]

@@ -35,13 +35,14 @@ type Limits = axum::Extension<Arc<ExecLimits>>;
 /// route is served undocumented. Raw files stream with no cap; every other
 /// body is limited to [`MAX_BODY`].
 pub fn api() -> OpenApiRouter<Arc<App>> {
-    use super::{exec, files, procs};
+    use super::{exec, files, procs, rest};
     let limited = OpenApiRouter::with_openapi(super::openapi::ApiDoc::openapi())
         .routes(routes!(health))
         .routes(routes!(info))
         .routes(routes!(openapi_json))
         .routes(routes!(metrics))
         .routes(routes!(schedule))
+        .routes(routes!(super::templates::list))
         .routes(routes!(list))
         .routes(routes!(get_vm, delete_vm))
         .routes(routes!(exec::exec))
@@ -52,6 +53,20 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
         .routes(routes!(procs::events))
         .routes(routes!(procs::stdin))
         .routes(routes!(procs::signal))
+        .routes(routes!(rest::pause))
+        .routes(routes!(rest::resume))
+        .routes(routes!(rest::sleep))
+        .routes(routes!(rest::hibernate))
+        .routes(routes!(rest::wake))
+        .routes(routes!(rest::reboot))
+        .routes(routes!(rest::snapshot))
+        .routes(routes!(rest::fork))
+        .routes(routes!(rest::create_checkpoint, rest::list_checkpoints))
+        .routes(routes!(rest::restore_checkpoint))
+        .routes(routes!(rest::spawn_checkpoint))
+        .routes(routes!(rest::delete_checkpoint))
+        .routes(routes!(rest::list_snapshots))
+        .routes(routes!(rest::get_snapshot, rest::delete_snapshot))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY));
     let raw = OpenApiRouter::new().routes(routes!(files::get_raw, files::put_raw));
@@ -333,6 +348,10 @@ struct ScheduleReq {
     /// An image `/v1/info` lists.
     #[schema(default = "default", example = "default")]
     image: Option<String>,
+    /// A snapshot (or checkpoint) id: the sandbox is restored from it, in
+    /// its image and shape (then `image`, `cpus` and `memoryMb` must not be
+    /// given), with its guest re-identified before its first exec.
+    snapshot: Option<String>,
     #[schema(minimum = 1, maximum = 4, default = 2)]
     cpus: Option<i64>,
     #[schema(minimum = 128, maximum = 8192, default = 1024)]
@@ -341,7 +360,8 @@ struct ScheduleReq {
     /// network yet).
     #[schema(default = false)]
     disable_internet: Option<bool>,
-    /// Stored and shown; enforced by a later issue.
+    /// Seconds without an exec, file or process call after which the
+    /// sandbox is put to sleep (the next call wakes it). Unset: never.
     #[schema(minimum = 1, maximum = 2592000)]
     idle_timeout_secs: Option<i64>,
     /// The base environment of every exec in the sandbox (at most 256
@@ -447,12 +467,17 @@ pub struct VmView {
     /// RFC 3339 UTC with milliseconds.
     #[schema(format = DateTime)]
     created_at: String,
-    /// Null until snapshots come.
+    /// The snapshot it was made from (a schedule from a snapshot, a fork,
+    /// a checkpoint's spawn); null for a boot.
     #[schema(required = true)]
     snapshot_id: Option<Uuid>,
-    /// Null until forks come.
+    /// The sandbox it was forked from.
     #[schema(required = true)]
     parent_vm_id: Option<Uuid>,
+    /// Its guest's host name, kept across sleeps and wakes (null for the
+    /// test guest).
+    #[schema(required = true)]
+    hostname: Option<String>,
     /// Why, when `failed`.
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
@@ -477,6 +502,7 @@ impl From<Sandbox> for VmView {
             created_at: humantime::format_rfc3339_millis(at).to_string(),
             snapshot_id: s.snapshot_id,
             parent_vm_id: s.parent_vm_id,
+            hostname: s.hostname,
             failure_reason: s.failure_reason,
             worker_pid: s.pid,
         }
@@ -489,10 +515,14 @@ errors!(
         InvalidBody,
         InvalidValue,
         UnknownImage,
+        SnapshotNotFound,
         UnsupportedMediaType,
         PayloadTooLarge,
         HostUnsupported,
+        TemplateBuilding,
         BootFailed,
+        SnapshotFailed,
+        AgentUnavailable,
     ]
 );
 
@@ -503,6 +533,8 @@ errors!(
 /// image, its agent answers. Every field is optional. The boot goes on if
 /// the client goes away; a sandbox that fails to start stays listed as
 /// `failed` with its `failureReason`, and the answer is `502 boot_failed`.
+/// With `snapshot`, the sandbox is restored from that snapshot instead of
+/// booted (`502 snapshot_failed` if it cannot be).
 #[utoipa::path(post, path = "/v1/runtime/schedule", operation_id = "schedule", tag = "sandboxes",
     request_body(content = Option<ScheduleReq>, description = "Empty counts as `{}`"),
     responses((status = 201, description = "The sandbox, running", body = VmView), ScheduleErrors))]
@@ -510,6 +542,43 @@ async fn schedule(
     State(app): AppState,
     ApiJson(req): ApiJson<ScheduleReq>,
 ) -> Result<(StatusCode, Json<VmView>), ApiError> {
+    if let Some(snap) = &req.snapshot {
+        for (given, field) in [
+            (req.image.is_some(), "image"),
+            (req.cpus.is_some(), "cpus"),
+            (req.memory_mb.is_some(), "memoryMb"),
+        ] {
+            if given {
+                return Err(ApiError::field(
+                    field,
+                    format!("{field} cannot be given with snapshot: the snapshot's is used"),
+                ));
+            }
+        }
+        let idle = req
+            .idle_timeout_secs
+            .map(|v| range("idleTimeoutSecs", v, 1, MAX_IDLE_TIMEOUT))
+            .transpose()?
+            .map(|v| v as u32);
+        if let Some(env) = &req.env {
+            check_env("env", env)?;
+        }
+        let metadata = req.metadata.unwrap_or_default();
+        check_metadata(&metadata)?;
+        let snap = super::rest::for_schedule(&app, snap).await?;
+        if snap.image != TEST_GUEST_IMAGE && !app.host.linux_guests {
+            return Err(host_unsupported(&app));
+        }
+        let t = std::time::Instant::now();
+        let opts = super::rest::FromSnapshot {
+            disable_internet: req.disable_internet.unwrap_or(false),
+            idle_timeout_secs: idle,
+            metadata,
+        };
+        let s = super::rest::from_snapshot(&app, &snap, req.env, opts).await?;
+        app.metrics.create.observe(t.elapsed());
+        return Ok((StatusCode::CREATED, Json(s.into())));
+    }
     let image = req.image.unwrap_or_else(|| "default".into());
     let cpus = range("cpus", req.cpus.unwrap_or(2), 1, 4)? as u8;
     let memory_mb = range("memoryMb", req.memory_mb.unwrap_or(1024), 128, 8192)? as u32;
@@ -538,13 +607,34 @@ async fn schedule(
         .with_field("image"));
     };
     if image != TEST_GUEST_IMAGE && !app.host.linux_guests {
-        return Err(ApiError::new(
-            Code::HostUnsupported,
-            format!(
-                "This host cannot run Linux guests: {} (see /v1/info)",
-                app.host.reason.as_deref().unwrap_or("unknown")
-            ),
-        ));
+        return Err(host_unsupported(&app));
+    }
+    let disable_internet = req.disable_internet.unwrap_or(false);
+    if app.templates {
+        let t = std::time::Instant::now();
+        match app.template_for(&img, cpus, memory_mb).await? {
+            super::templates::Lookup::Building(secs) => {
+                return Err(super::templates::building(&image, cpus, memory_mb, secs));
+            }
+            super::templates::Lookup::Ready(snap) => {
+                let opts = super::rest::FromSnapshot {
+                    disable_internet,
+                    idle_timeout_secs: idle,
+                    metadata,
+                };
+                let s = super::rest::from_snapshot(&app, &snap, Some(env), opts).await;
+                app.metrics.create.observe(t.elapsed());
+                return match s {
+                    Ok(s) => Ok((StatusCode::CREATED, Json(s.into()))),
+                    Err(e) => {
+                        if e.code == Code::SnapshotFailed {
+                            super::templates::failed(&app, &snap, &e.message).await;
+                        }
+                        Err(e)
+                    }
+                };
+            }
+        }
     }
     let t = std::time::Instant::now();
     let s = Sandbox {
@@ -553,7 +643,7 @@ async fn schedule(
         image,
         cpus,
         memory_mb,
-        disable_internet: req.disable_internet.unwrap_or(false),
+        disable_internet,
         idle_timeout_secs: idle,
         env,
         metadata,
@@ -564,6 +654,9 @@ async fn schedule(
         parent_vm_id: None,
         snapshot_id: None,
         failure_reason: None,
+        lineage_snapshot_id: None,
+        rest_snapshot_id: None,
+        hostname: None,
     };
     let row = s.clone();
     app.db(move |r| r.insert_sandbox(&row)).await?;
@@ -593,64 +686,31 @@ async fn schedule(
     Ok((StatusCode::CREATED, Json(s.into())))
 }
 
-/// Boots `s`'s worker and waits for its agent; records each step.
+fn host_unsupported(app: &App) -> ApiError {
+    ApiError::new(
+        Code::HostUnsupported,
+        format!(
+            "This host cannot run Linux guests: {} (see /v1/info)",
+            app.host.reason.as_deref().unwrap_or("unknown")
+        ),
+    )
+}
+
+/// Boots `s`'s worker and waits for its agent (giving its guest its host
+/// name); records each step.
 async fn start(app: Arc<App>, s: Sandbox, image: std::path::PathBuf) -> Result<(), BootError> {
-    let id = s.id;
     let a = app.clone();
     let row = s.clone();
     let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&image)))
         .await
         .map_err(|e| BootError::Failed(format!("the boot task failed: {e}")))??;
-    let sock = booted.worker.socket.clone();
-    let pid = booted.worker.pid();
-    let vsock = booted.vsock.clone();
-    lock(&app.children).insert(id, booted.worker);
-    let record = {
-        let (sock, vsock) = (sock.clone(), vsock.clone());
-        app.db(move |r| r.set_worker(id, &sock, vsock.as_deref(), pid))
-            .await
-    };
-    if let Err(e) = record {
-        return Err(BootError::Failed(e.message));
-    }
-    tracing::info!(vm = %id, pid, "worker up, VM booting");
-    if booted.guest == sprout_worker::protocol::GuestKind::Linux {
-        let mut s = s.clone();
-        s.vsock_socket = vsock;
-        let agent = app
-            .agent(&s)
-            .ok_or_else(|| BootError::Failed("The VM has no vsock device".into()))?;
-        let took = app.supervisor.wait_agent(&agent, id, &sock).await;
-        match took {
-            Ok(t) => tracing::info!(vm = %id, "agent ready after {} ms", t.as_millis()),
-            Err(e) => {
-                stop_quietly(&app, id).await;
-                return Err(e);
-            }
-        }
-    }
-    app.db(move |r| r.set_state(id, VmState::Running, None))
+    tracing::info!(vm = %s.id, pid = booted.worker.pid(), "worker up, VM booting");
+    let t = std::time::Instant::now();
+    app.start_booted(&s, booted)
         .await
         .map_err(|e| BootError::Failed(e.message))?;
-    super::watch::worker(&app, id, pid);
+    tracing::info!(vm = %s.id, "running after {} ms", t.elapsed().as_millis());
     Ok(())
-}
-
-/// Stops a sandbox's worker after a failed start (its record stays, failed).
-async fn stop_quietly(app: &Arc<App>, id: Uuid) {
-    let child = lock(&app.children).remove(&id);
-    lock(&app.agents).remove(&id);
-    let Ok(Some(s)) = app.db(move |r| r.get_sandbox(id)).await.map(Some) else {
-        return;
-    };
-    let Some(s) = s else { return };
-    let a = app.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        if let Err(e) = a.supervisor.stop(&s, child) {
-            tracing::warn!(vm = %s.id, "{e}");
-        }
-    })
-    .await;
 }
 
 #[derive(Serialize, ToSchema)]
@@ -731,11 +791,25 @@ async fn delete_vm(
     State(app): AppState,
     Path(id): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
-    let s = app.sandbox(&id).await?;
-    let vm = s.id;
+    let vm = app.sandbox(&id).await?.id;
+    let a = app.clone();
+    super::lifecycle::detached(async move { delete(a, vm).await }).await?;
+    tracing::info!(vm = %vm, "deleted");
+    Ok(Json(Deleted {
+        vm_id: vm,
+        deleted: true,
+    }))
+}
+
+/// Deletes sandbox `vm`, after any transition under way; its checkpoints
+/// go with it.
+async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
+    let _g = app.lifecycle.lock_of(vm).write_owned().await;
+    let s = app.sandbox(&vm.to_string()).await?;
     if s.state == VmState::Starting {
-        return Err(ApiError::new(
+        return Err(ApiError::in_state(
             Code::InvalidState,
+            s.state.as_str(),
             format!("Sandbox {vm} is starting: delete it once it runs or fails"),
         ));
     }
@@ -756,10 +830,16 @@ async fn delete_vm(
             format!("Cannot delete {vm}: {why}"),
         ));
     }
-    app.db(move |r| r.delete_sandbox(vm)).await?;
-    tracing::info!(vm = %vm, "deleted");
-    Ok(Json(Deleted {
-        vm_id: vm,
-        deleted: true,
-    }))
+    app.db(move |r| {
+        for c in r.list_snapshots()? {
+            if c.vm_id == Some(vm) && c.kind == super::registry::SnapshotKind::Checkpoint {
+                r.set_snapshot_kind(c.id, super::registry::SnapshotKind::Dropped)?;
+            }
+        }
+        r.delete_sandbox(vm)
+    })
+    .await?;
+    app.lifecycle.forget(vm);
+    app.collect_garbage().await;
+    Ok(())
 }

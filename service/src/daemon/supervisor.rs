@@ -76,11 +76,13 @@ pub struct Booted {
 }
 
 pub struct Supervisor {
-    cmd: WorkerCommand,
+    pub(super) cmd: WorkerCommand,
     vms_dir: PathBuf,
     /// `<data dir>/jails`, where jailed workers' roots are (also looked in
     /// for the jails of workers a previous `sproutd` started).
     jails_dir: PathBuf,
+    /// `<data dir>/snapshots` (see [`super::store`]).
+    snapshots_dir: PathBuf,
 }
 
 impl Supervisor {
@@ -112,7 +114,12 @@ impl Supervisor {
             cmd,
             vms_dir: data_dir.join("vms"),
             jails_dir,
+            snapshots_dir: data_dir.join(super::store::SNAPSHOTS_DIR),
         }
+    }
+
+    pub fn snapshots_dir(&self) -> &Path {
+        &self.snapshots_dir
     }
 
     pub fn vm_dir(&self, id: Uuid) -> PathBuf {
@@ -127,7 +134,7 @@ impl Supervisor {
     /// Makes the sandbox's directory and its `vm/` (the jail uid's when
     /// jailed); both as canonical paths, which is where exposed files are
     /// in a jail.
-    fn make_dirs(&self, id: Uuid) -> Result<(PathBuf, PathBuf), String> {
+    pub(super) fn make_dirs(&self, id: Uuid) -> Result<(PathBuf, PathBuf), String> {
         let dir = self.vm_dir(id);
         let rw = dir.join(VM_SUBDIR);
         std::fs::create_dir_all(&rw).map_err(|e| format!("Cannot create {}: {e}", rw.display()))?;
@@ -299,7 +306,7 @@ impl Supervisor {
 
     /// The ends of the sandbox's console and worker log, as a suffix of a
     /// failure reason.
-    fn tails(&self, id: Uuid) -> String {
+    pub(super) fn tails(&self, id: Uuid) -> String {
         let dir = self.vm_dir(id);
         format!(
             "{}{}",
@@ -311,7 +318,7 @@ impl Supervisor {
     /// The jail of the worker whose control socket `sock` links to one, if
     /// that is under `<data dir>/jails` (`<jails>/<jail id>/root` +
     /// [`CONTROL_SOCKET`]): how a jail is found after a restart.
-    fn jail_of(&self, sock: &Path) -> Option<Jail> {
+    pub(super) fn jail_of(&self, sock: &Path) -> Option<Jail> {
         let target = std::fs::read_link(sock).ok()?;
         let base = self.jails_dir.canonicalize().ok()?;
         let rest = target.strip_prefix(&base).ok()?;
@@ -327,6 +334,19 @@ impl Supervisor {
     /// exit, then removes its jail (if it has one) and the sandbox's
     /// directory.
     pub fn stop(&self, s: &Sandbox, child: Option<WorkerProcess>) -> Result<(), String> {
+        self.stop_worker(s, child)?;
+        let dir = self.vm_dir(s.id);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(format!("Cannot remove {}: {e}", dir.display())),
+        }
+    }
+
+    /// Stops the sandbox's worker (if any still answers), waits for it to
+    /// exit and removes its jail; the sandbox's directory (its disk, its
+    /// logs) stays, for the worker that restores or boots it next.
+    pub fn stop_worker(&self, s: &Sandbox, child: Option<WorkerProcess>) -> Result<(), String> {
         let dir = self.vm_dir(s.id);
         // A worker sproutd started but had not recorded yet is on the
         // sandbox's own socket path.
@@ -414,11 +434,7 @@ impl Supervisor {
                 )
             })?;
         }
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(format!("Cannot remove {}: {e}", dir.display())),
-        }
+        Ok(())
     }
 
     /// What a previous `sproutd` left: the state `s` should now have, and
@@ -471,7 +487,7 @@ fn expose(jail: &Jail, mut spec: VmSpec, rw: &Path) -> Result<VmSpec, JailError>
 }
 
 /// Gives `path` to the jail's uid and gid.
-fn give(path: &Path, uid: u32, gid: u32) -> Result<(), String> {
+pub(super) fn give(path: &Path, uid: u32, gid: u32) -> Result<(), String> {
     rustix::fs::chown(
         path,
         Some(rustix::fs::Uid::from_raw(uid)),
@@ -486,7 +502,7 @@ fn give(path: &Path, uid: u32, gid: u32) -> Result<(), String> {
 }
 
 /// Whether process `pid` runs (a zombie does not).
-fn alive(pid: u32) -> bool {
+pub(super) fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
         !s.rsplit(')')
             .next()

@@ -1,0 +1,978 @@
+//! Rest states: the transitions between a sandbox's states, each serialised
+//! per sandbox, and the activity that keeps a sandbox awake.
+//!
+//! - **One transition at a time.** Every transition (pause, resume, sleep,
+//!   wake, snapshot, fork, reboot, hibernate, a checkpoint's restore, a
+//!   delete) holds its sandbox's lock for writing from its state check to
+//!   its last record; the gate of exec, file and process calls
+//!   ([`App::live`]) holds it for reading while it checks the state (and
+//!   wakes a sleeping sandbox), so no call sees a sandbox half-way through a
+//!   transition. Each transition runs as its own task: a client that goes
+//!   away does not cut one short.
+//! - **Activity.** A call that passes the gate is busy until it ends (a
+//!   streamed exec or an attached process stream for as long as it
+//!   streams); the idle sweeper ([`sweeper`]) puts a sandbox to sleep only
+//!   when nothing is busy and its last activity is `idleTimeoutSecs` old.
+//! - **Snapshots** (see [`super::store`]) are diffs on the sandbox's last
+//!   snapshot while its chain is short, else full; each is verified before
+//!   it is recorded. Snapshots that nothing builds on any more (a woken
+//!   sandbox's sleep snapshot, a deleted checkpoint) are removed by
+//!   [`App::collect_garbage`].
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guest_agent::client::Client as AgentClient;
+use sprout_worker::protocol::GuestKind;
+use tokio::sync::RwLock;
+use uuid::Uuid;
+
+use super::error::{chain, ApiError, Code};
+use super::images::TEST_GUEST_IMAGE;
+use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State};
+use super::supervisor::{BootError, Booted};
+use super::{lock, now_ms, App};
+
+/// How often the idle sweeper looks.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// How long a `sync` in the guest may take before a reboot goes on without.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The per-sandbox locks and activity.
+#[derive(Default)]
+pub struct Lifecycle {
+    locks: std::sync::Mutex<HashMap<Uuid, Arc<RwLock<()>>>>,
+    activity: std::sync::Mutex<HashMap<Uuid, Activity>>,
+}
+
+#[derive(Clone, Copy)]
+struct Activity {
+    busy: usize,
+    last: Instant,
+}
+
+impl Lifecycle {
+    pub fn lock_of(&self, id: Uuid) -> Arc<RwLock<()>> {
+        lock(&self.locks).entry(id).or_default().clone()
+    }
+
+    /// Counts `id` as active now.
+    pub fn touch(&self, id: Uuid) {
+        let mut a = lock(&self.activity);
+        let e = a.entry(id).or_insert(Activity {
+            busy: 0,
+            last: Instant::now(),
+        });
+        e.last = Instant::now();
+    }
+
+    /// `(busy calls, time since the last activity)`.
+    fn idle(&self, id: Uuid) -> (usize, Duration) {
+        let a = lock(&self.activity);
+        a.get(&id)
+            .map_or((0, Duration::ZERO), |a| (a.busy, a.last.elapsed()))
+    }
+
+    pub fn forget(&self, id: Uuid) {
+        lock(&self.locks).remove(&id);
+        lock(&self.activity).remove(&id);
+    }
+}
+
+/// A call that passed the gate: busy until dropped.
+pub struct Busy {
+    app: Arc<App>,
+    id: Uuid,
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let mut a = lock(&self.app.lifecycle.activity);
+        if let Some(e) = a.get_mut(&self.id) {
+            e.busy = e.busy.saturating_sub(1);
+            e.last = Instant::now();
+        }
+    }
+}
+
+/// A running sandbox, its agent, and the call's hold on its activity.
+pub struct Live {
+    pub s: Sandbox,
+    pub agent: Arc<AgentClient>,
+    pub busy: Busy,
+}
+
+/// What a wake did.
+#[derive(Debug, Clone, Default)]
+pub struct Woken {
+    /// The memory snapshot could not be restored: the sandbox was booted
+    /// from its saved disk instead, and this says why.
+    pub cold_boot: Option<String>,
+}
+
+/// The 409 for `what` in `s`'s state.
+pub fn invalid(s: &Sandbox, what: &str) -> ApiError {
+    let state = s.state.as_str();
+    let code = if s.state == State::Paused && what.starts_with("run") {
+        Code::Paused
+    } else {
+        Code::InvalidState
+    };
+    let hint = match s.state {
+        State::Paused => ": resume it first",
+        State::Hibernated => ": wake it first",
+        State::Starting => ": wait until it runs",
+        State::Failed => ": delete it",
+        _ => "",
+    };
+    ApiError::in_state(
+        code,
+        state,
+        format!("Sandbox {} is {state}: cannot {what}{hint}", s.id),
+    )
+}
+
+fn snapshot_failed(e: impl Into<String>) -> ApiError {
+    ApiError::new(Code::SnapshotFailed, e)
+}
+
+fn boot_failed(e: BootError) -> ApiError {
+    match e {
+        BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
+        BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
+    }
+}
+
+fn restore_failed(e: BootError) -> ApiError {
+    match e {
+        BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
+        BootError::Failed(m) => ApiError::new(Code::SnapshotFailed, m),
+    }
+}
+
+/// Runs `f` as its own task (a client going away does not cancel it).
+pub async fn detached<T: Send + 'static>(
+    f: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("a transition task failed: {e}")))?
+}
+
+impl App {
+    /// The gate of every exec, file and process call: the sandbox `id`
+    /// names, running (a sleeping one is woken first, transparently), its
+    /// agent, and the call's activity hold. A paused sandbox is `409
+    /// paused` (a pause is an operator's and is never undone by a call).
+    pub async fn live(self: &Arc<Self>, id: &str) -> Result<Live, ApiError> {
+        let s = self.sandbox(id).await?;
+        if s.image == TEST_GUEST_IMAGE {
+            return Err(ApiError::new(
+                Code::NotSupported,
+                format!(
+                    "Sandbox {} runs the test guest, which has no agent to exec in",
+                    s.id
+                ),
+            ));
+        }
+        let vm = s.id;
+        let l = self.lifecycle.lock_of(vm);
+        // A wake, then a second look; a sandbox that fell asleep again in
+        // between (a zero-activity race with the sweeper) is woken again,
+        // a few times at most.
+        for _ in 0..3 {
+            {
+                let _g = l.read().await;
+                let s = self.sandbox(id).await?;
+                match s.state {
+                    State::Running => {
+                        let agent = self.agent(&s).ok_or_else(|| {
+                            ApiError::new(
+                                Code::AgentUnavailable,
+                                format!("Sandbox {} has no vsock socket", s.id),
+                            )
+                        })?;
+                        let busy = self.busy(vm);
+                        return Ok(Live { s, agent, busy });
+                    }
+                    State::Sleeping => {}
+                    _ => return Err(invalid(&s, "run commands or touch files")),
+                }
+            }
+            let app = self.clone();
+            detached(async move { app.wake(vm, true).await.map(|_| ()) }).await?;
+        }
+        Err(ApiError::new(
+            Code::InvalidState,
+            format!("Sandbox {vm} keeps falling asleep: retry"),
+        ))
+    }
+
+    fn busy(self: &Arc<Self>, id: Uuid) -> Busy {
+        let mut a = lock(&self.lifecycle.activity);
+        let e = a.entry(id).or_insert(Activity {
+            busy: 0,
+            last: Instant::now(),
+        });
+        e.busy += 1;
+        e.last = Instant::now();
+        Busy {
+            app: self.clone(),
+            id,
+        }
+    }
+
+    /// The sandbox `id`, read under its lock held for writing.
+    async fn locked(
+        self: &Arc<Self>,
+        id: Uuid,
+    ) -> Result<(tokio::sync::OwnedRwLockWriteGuard<()>, Sandbox), ApiError> {
+        let g = self.lifecycle.lock_of(id).write_owned().await;
+        let s = self
+            .db(move |r| r.get_sandbox(id))
+            .await?
+            .ok_or_else(|| ApiError::vm_not_found(&id.to_string()))?;
+        Ok((g, s))
+    }
+
+    fn worker_client(s: &Sandbox) -> Result<sprout_worker::Client, ApiError> {
+        let sock = s.worker_socket.as_ref().ok_or_else(|| {
+            ApiError::new(
+                Code::WorkerFailed,
+                format!("Sandbox {} has no worker", s.id),
+            )
+        })?;
+        sprout_worker::Client::connect(sock).map_err(|e| {
+            ApiError::new(
+                Code::WorkerFailed,
+                format!(
+                    "The worker of sandbox {} does not answer: {}",
+                    s.id,
+                    chain(&e)
+                ),
+            )
+        })
+    }
+
+    /// Pauses a running sandbox's vCPUs.
+    pub async fn pause(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        if s.state != State::Running {
+            return Err(invalid(&s, "pause"));
+        }
+        self.blocking(move || Self::worker_client(&s)?.pause().map_err(worker_err))
+            .await?;
+        self.set_state(id, State::Paused).await
+    }
+
+    /// Resumes a paused sandbox.
+    pub async fn resume(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        if s.state != State::Paused {
+            return Err(invalid(&s, "resume"));
+        }
+        self.blocking(move || Self::worker_client(&s)?.resume().map_err(worker_err))
+            .await?;
+        self.lifecycle.touch(id);
+        self.set_state(id, State::Running).await
+    }
+
+    async fn set_state(self: &Arc<Self>, id: Uuid, st: State) -> Result<Sandbox, ApiError> {
+        self.db(move |r| {
+            r.set_state(id, st, None)?;
+            r.get_sandbox(id)
+        })
+        .await?
+        .ok_or_else(|| ApiError::vm_not_found(&id.to_string()))
+    }
+
+    async fn blocking<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| ApiError::internal(format!("a worker task failed: {e}")))?
+    }
+
+    /// Writes and records a snapshot of `s` (running or paused; held
+    /// locked by the caller): a diff on its lineage when that is short and
+    /// still its worker's, else full. The sandbox's lineage becomes it.
+    async fn take_snapshot(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        kind: SnapshotKind,
+        name: Option<String>,
+    ) -> Result<SnapshotRow, ApiError> {
+        let parent = match s.lineage_snapshot_id {
+            Some(p) => self.db(move |r| r.get_snapshot(p)).await?,
+            None => None,
+        };
+        let sock = s.worker_socket.clone();
+        let want = parent.as_ref().map(|p| p.dir.clone());
+        // Diff only on the parent the worker itself builds on.
+        let parent = match (parent, sock) {
+            (Some(p), Some(sock)) if (p.depth as usize) < vmm::MAX_CHAIN_DEPTH => {
+                let d = self
+                    .blocking(move || super::supervisor::describe(&sock).map_err(worker_failed))
+                    .await?;
+                let own = d.lineage.parent == want && !d.lineage.fork_layers.contains(&p.dir);
+                own.then_some(p)
+            }
+            _ => None,
+        };
+        let id = Uuid::new_v4();
+        let (a, row, diff) = (self.clone(), s.clone(), parent.is_some());
+        let t = Instant::now();
+        let w = self
+            .blocking(move || {
+                a.supervisor
+                    .snapshot(&row, id, diff)
+                    .map_err(snapshot_failed)
+            })
+            .await?;
+        let snap = SnapshotRow {
+            id,
+            vm_id: Some(s.id),
+            name,
+            dir: w.dir,
+            kind,
+            parent_id: parent.as_ref().map(|p| p.id),
+            depth: parent.as_ref().map_or(1, |p| p.depth + 1),
+            image: s.image.clone(),
+            cpus: s.cpus,
+            memory_mb: s.memory_mb,
+            env: s.env.clone(),
+            size_bytes: w.size_bytes,
+            created_ms: now_ms(),
+        };
+        let (row, vm, rest) = (snap.clone(), s.id, s.rest_snapshot_id);
+        self.db(move |r| {
+            r.insert_snapshot(&row)?;
+            r.set_snapshots(vm, Some(row.id), rest)
+        })
+        .await?;
+        self.metrics.snapshot.observe(t.elapsed());
+        tracing::info!(
+            vm = %s.id, snapshot = %id, kind = kind.as_str(), diff,
+            bytes = snap.size_bytes, "snapshot in {} ms", t.elapsed().as_millis()
+        );
+        Ok(snap)
+    }
+
+    /// `POST /vms/{id}/snapshot`: a user snapshot; the sandbox is left
+    /// paused when asked.
+    pub async fn snapshot(
+        self: &Arc<Self>,
+        id: Uuid,
+        leave_paused: bool,
+        kind: SnapshotKind,
+        name: Option<String>,
+    ) -> Result<(Sandbox, SnapshotRow), ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        if !matches!(s.state, State::Running | State::Paused) {
+            return Err(invalid(&s, "take a snapshot"));
+        }
+        if kind == SnapshotKind::Checkpoint {
+            let n = self
+                .db(move |r| {
+                    Ok(r.list_snapshots()?
+                        .iter()
+                        .filter(|c| c.kind == SnapshotKind::Checkpoint && c.vm_id == Some(id))
+                        .count())
+                })
+                .await?;
+            if n >= super::rest::MAX_CHECKPOINTS {
+                return Err(ApiError::new(
+                    Code::TooManyCheckpoints,
+                    format!(
+                        "Sandbox {id} has {n} checkpoints, the most it may keep: delete one \
+                         first (nothing is dropped silently)"
+                    ),
+                ));
+            }
+        }
+        if leave_paused && s.state == State::Running {
+            let c = s.clone();
+            self.blocking(move || Self::worker_client(&c)?.pause().map_err(worker_err))
+                .await?;
+            self.db(move |r| r.set_state(id, State::Paused, None))
+                .await?;
+        }
+        let snap = self.take_snapshot(&s, kind, name).await?;
+        let s = self.get(id).await?;
+        Ok((s, snap))
+    }
+
+    async fn get(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
+        self.db(move |r| r.get_sandbox(id))
+            .await?
+            .ok_or_else(|| ApiError::vm_not_found(&id.to_string()))
+    }
+
+    /// Puts a running sandbox to sleep (`to` sleeping) or hibernates it:
+    /// snapshot, record, then free its worker. `idle`: the sweeper's, which
+    /// gives up rather than wait for the lock or sleep a busy sandbox.
+    pub async fn suspend(self: &Arc<Self>, id: Uuid, to: State) -> Result<Sandbox, ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        self.suspend_locked(s, to).await
+    }
+
+    async fn suspend_locked(self: &Arc<Self>, s: Sandbox, to: State) -> Result<Sandbox, ApiError> {
+        let id = s.id;
+        let ok = match to {
+            State::Sleeping => s.state == State::Running,
+            _ => matches!(s.state, State::Running | State::Paused | State::Sleeping),
+        };
+        if !ok {
+            let what = if to == State::Sleeping {
+                "sleep"
+            } else {
+                "hibernate"
+            };
+            return Err(invalid(&s, what));
+        }
+        if s.state == State::Sleeping {
+            // Asleep already: its snapshot is the hibernation's.
+            return self.set_state(id, to).await;
+        }
+        if to == State::Sleeping {
+            let (busy, _) = self.lifecycle.idle(id);
+            if busy > 0 {
+                return Err(ApiError::in_state(
+                    Code::InvalidState,
+                    s.state.as_str(),
+                    format!(
+                        "Sandbox {id} has {busy} calls running (an exec, an attached stream): \
+                         it sleeps once they end; hibernate it to stop them"
+                    ),
+                ));
+            }
+        }
+        let snap = self.take_snapshot(&s, SnapshotKind::Rest, None).await?;
+        // Recorded before the worker goes, so its watcher does not take
+        // the stop for a failure.
+        self.db(move |r| {
+            r.set_snapshots(id, Some(snap.id), Some(snap.id))?;
+            r.set_worker_opt(id, None)?;
+            r.set_state(id, to, None)
+        })
+        .await?;
+        self.free_worker(&s).await;
+        self.collect_garbage().await;
+        tracing::info!(vm = %id, "{}", to.as_str());
+        self.get(id).await
+    }
+
+    /// Stops the sandbox's worker, keeping its directory.
+    async fn free_worker(self: &Arc<Self>, s: &Sandbox) {
+        let child = lock(&self.children).remove(&s.id);
+        lock(&self.agents).remove(&s.id);
+        let (a, s) = (self.clone(), s.clone());
+        let _ = tokio::task::spawn_blocking(move || {
+            if let Err(e) = a.supervisor.stop_worker(&s, child) {
+                tracing::warn!(vm = %s.id, "freeing the worker: {e}");
+            }
+        })
+        .await;
+    }
+
+    /// The directories of `snap`'s chain, base first.
+    async fn chain_dirs(self: &Arc<Self>, snap: Uuid) -> Result<Vec<PathBuf>, ApiError> {
+        self.db(move |r| {
+            let mut out = Vec::new();
+            let mut next = Some(snap);
+            while let Some(id) = next {
+                let Some(s) = r.get_snapshot(id)? else { break };
+                out.push(s.dir);
+                next = s.parent_id;
+                if out.len() > vmm::MAX_CHAIN_DEPTH + 1 {
+                    break;
+                }
+            }
+            out.reverse();
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Wakes a sleeping (or, unless `sleeping_only`, hibernated) sandbox:
+    /// restores its rest snapshot into a new worker. A hibernated one whose
+    /// memory cannot be restored is booted from its saved disk instead.
+    pub async fn wake(self: &Arc<Self>, id: Uuid, sleeping_only: bool) -> Result<Woken, ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        match s.state {
+            State::Sleeping => {}
+            State::Hibernated if !sleeping_only => {}
+            State::Running if sleeping_only => return Ok(Woken::default()),
+            _ => return Err(invalid(&s, "wake")),
+        }
+        let rest = s
+            .rest_snapshot_id
+            .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
+        let t = Instant::now();
+        let r = self.restore_into(&s, rest, s.hostname.clone()).await;
+        let woken = match r {
+            Ok(()) => Woken::default(),
+            Err(e) if s.state == State::Hibernated => {
+                tracing::warn!(vm = %id, "cannot restore its memory ({}): booting its disk", e.message);
+                self.cold_boot(&s, Some(rest)).await?;
+                Woken {
+                    cold_boot: Some(e.message),
+                }
+            }
+            Err(e) => {
+                let why = format!("Cannot wake: {}", e.message);
+                let w = why.clone();
+                self.db(move |r| r.set_state(id, State::Failed, Some(&w)))
+                    .await?;
+                return Err(ApiError::new(e.code, format!("Sandbox {id}: {why}")));
+            }
+        };
+        self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
+            .await?;
+        if woken.cold_boot.is_some() {
+            self.db(move |r| r.set_snapshots(id, None, None).map(|_| ()))
+                .await?;
+        }
+        self.metrics.wake.observe(t.elapsed());
+        self.collect_garbage().await;
+        tracing::info!(vm = %id, "woken in {} ms", t.elapsed().as_millis());
+        Ok(woken)
+    }
+
+    /// Restores `snap` into a new worker for `s` (which has none), and
+    /// makes it running: the guest gets the host's clock, fresh entropy and
+    /// `hostname` (a new one when `None`).
+    async fn restore_into(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        snap: Uuid,
+        hostname: Option<String>,
+    ) -> Result<(), ApiError> {
+        let chain = self.chain_dirs(snap).await?;
+        let iid = vmm::new_instance_id();
+        // The base image is the snapshot's only file outside it.
+        let image: Vec<PathBuf> = self
+            .images
+            .iter()
+            .filter(|i| i.name == s.image && s.image != TEST_GUEST_IMAGE)
+            .map(|i| i.path.clone())
+            .collect();
+        let (a, row) = (self.clone(), s.clone());
+        let booted = self
+            .blocking(move || {
+                a.supervisor
+                    .restore(&row, &chain, &image, iid)
+                    .map_err(restore_failed)
+            })
+            .await?;
+        self.adopt_booted(s, booted, Some((iid, hostname))).await
+    }
+
+    /// Makes the freshly booted `s` running: its agent answers, its guest
+    /// has its host name (see [`hostname_for`]).
+    pub async fn start_booted(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        booted: Booted,
+    ) -> Result<(), ApiError> {
+        let _g = self.lifecycle.lock_of(s.id).write_owned().await;
+        self.adopt_booted(s, booted, Some((vmm::new_instance_id(), None)))
+            .await
+    }
+
+    /// Records a started worker of `s`, waits for its agent (re-identifying
+    /// a restored guest), and makes the sandbox running.
+    async fn adopt_booted(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        booted: Booted,
+        identity: Option<(u64, Option<String>)>,
+    ) -> Result<(), ApiError> {
+        let id = s.id;
+        let sock = booted.worker.socket.clone();
+        let pid = booted.worker.pid();
+        let vsock = booted.vsock.clone();
+        let linux = booted.guest == GuestKind::Linux;
+        lock(&self.children).insert(id, booted.worker);
+        lock(&self.agents).remove(&id);
+        {
+            let (sock, vsock) = (sock.clone(), vsock.clone());
+            self.db(move |r| r.set_worker(id, &sock, vsock.as_deref(), pid))
+                .await?;
+        }
+        if linux {
+            let mut live = s.clone();
+            live.vsock_socket = vsock;
+            let r = self.ready_agent(&live, &sock, identity).await;
+            if let Err(e) = r {
+                let child = lock(&self.children).remove(&id);
+                let (a, row) = (self.clone(), live.clone());
+                let _ = tokio::task::spawn_blocking(move || a.supervisor.stop_worker(&row, child))
+                    .await;
+                let _ = self.db(move |r| r.set_worker_opt(id, None)).await;
+                return Err(e);
+            }
+        }
+        self.db(move |r| r.set_state(id, State::Running, None))
+            .await?;
+        self.lifecycle.touch(id);
+        super::watch::worker(self, id, pid);
+        Ok(())
+    }
+
+    /// Waits for the agent of `s`; with `identity`, re-identifies its
+    /// guest and records its host name.
+    async fn ready_agent(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        sock: &std::path::Path,
+        identity: Option<(u64, Option<String>)>,
+    ) -> Result<(), ApiError> {
+        let agent = self
+            .agent(s)
+            .ok_or_else(|| ApiError::new(Code::AgentUnavailable, "The VM has no vsock device"))?;
+        self.supervisor
+            .wait_agent(&agent, s.id, sock)
+            .await
+            .map_err(boot_failed)?;
+        if let Some((iid, hostname)) = identity {
+            let hostname = hostname.unwrap_or_else(|| hostname_for(s.id));
+            let mut ident =
+                crate::agent::fresh_identity(iid).map_err(|e| ApiError::internal(chain(&e)))?;
+            ident.hostname = Some(hostname.clone());
+            let done = agent.identity_refresh(ident).await.map_err(|e| {
+                ApiError::new(
+                    Code::AgentUnavailable,
+                    format!("The guest could not be re-identified: {}", chain(&e)),
+                )
+            })?;
+            if !(done.clock_set && done.entropy_added && done.crng_reseeded) {
+                return Err(ApiError::new(
+                    Code::AgentUnavailable,
+                    format!(
+                        "The guest could not be re-identified: {}",
+                        done.errors.join("; ")
+                    ),
+                ));
+            }
+            let id = s.id;
+            self.db(move |r| r.set_hostname(id, &hostname)).await?;
+        }
+        Ok(())
+    }
+
+    /// Boots `s` (which has no worker) from its disk: `from`'s disk
+    /// flattened when given (the sandbox's VM came from a snapshot), else
+    /// the disk it has. Memory and processes are gone; files stay.
+    async fn cold_boot(self: &Arc<Self>, s: &Sandbox, from: Option<Uuid>) -> Result<(), ApiError> {
+        let id = s.id;
+        if let (Some(snap), false) = (from, s.image == TEST_GUEST_IMAGE) {
+            let top = self
+                .db(move |r| r.get_snapshot(snap))
+                .await?
+                .ok_or_else(|| ApiError::internal(format!("snapshot {snap} is gone")))?
+                .dir;
+            let a = self.clone();
+            self.blocking(move || {
+                let dst = a.supervisor.disk_path(id);
+                a.supervisor
+                    .flatten_disk(&top, &dst)
+                    .map_err(snapshot_failed)
+            })
+            .await?;
+        }
+        let image = self
+            .images
+            .iter()
+            .find(|i| i.name == s.image)
+            .map(|i| i.path.clone())
+            .ok_or_else(|| {
+                ApiError::new(
+                    Code::UnknownImage,
+                    format!(
+                        "Image {:?} of sandbox {id} is no longer built here",
+                        s.image
+                    ),
+                )
+            })?;
+        let (a, row) = (self.clone(), s.clone());
+        let booted = self
+            .blocking(move || a.supervisor.boot(&row, Some(&image)).map_err(boot_failed))
+            .await?;
+        let hostname = Some(s.hostname.clone().unwrap_or_else(|| hostname_for(id)));
+        self.adopt_booted(s, booted, Some((vmm::new_instance_id(), hostname)))
+            .await
+    }
+
+    /// `POST /vms/{id}/reboot`: the disk is kept; memory, processes and
+    /// sessions are lost; same id.
+    pub async fn reboot(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
+        let (_g, s) = self.locked(id).await?;
+        if !matches!(
+            s.state,
+            State::Running | State::Paused | State::Sleeping | State::Hibernated
+        ) {
+            return Err(invalid(&s, "reboot"));
+        }
+        let mut from = s.rest_snapshot_id;
+        if s.state.has_worker() {
+            if s.state == State::Running && s.image != TEST_GUEST_IMAGE {
+                // What the guest has not written yet, written (best effort:
+                // a guest that does not answer reboots all the same).
+                if let Some(agent) = self.agent(&s) {
+                    let sync = guest_agent::protocol::Exec {
+                        command: "sync".into(),
+                        timeout_ms: Some(SYNC_TIMEOUT.as_millis() as u64),
+                        ..Default::default()
+                    };
+                    let r = tokio::time::timeout(SYNC_TIMEOUT, agent.exec_output(sync, None, 4096))
+                        .await;
+                    if !matches!(r, Ok(Ok(_))) {
+                        tracing::warn!(vm = %id, "reboot: the guest did not sync its disks");
+                    }
+                }
+            }
+            if s.lineage_snapshot_id.is_some() {
+                // Its disk is layers over a private top: freeze it.
+                from = Some(self.take_snapshot(&s, SnapshotKind::Rest, None).await?.id);
+            }
+            self.db(move |r| {
+                r.set_worker_opt(id, None)?;
+                r.set_snapshots(id, None, from)?;
+                r.set_state(id, State::Starting, None)
+            })
+            .await?;
+            self.free_worker(&s).await;
+        } else {
+            self.db(move |r| r.set_state(id, State::Starting, None))
+                .await?;
+        }
+        let s2 = self.get(id).await?;
+        if let Err(e) = self.cold_boot(&s2, from).await {
+            let why = format!("The reboot failed: {}", e.message);
+            let w = why.clone();
+            self.db(move |r| r.set_state(id, State::Failed, Some(&w)))
+                .await?;
+            return Err(ApiError::new(e.code, format!("Sandbox {id}: {why}")));
+        }
+        self.db(move |r| r.set_snapshots(id, None, None).map(|_| ()))
+            .await?;
+        self.collect_garbage().await;
+        self.get(id).await
+    }
+
+    /// A checkpoint's restore in place: the sandbox (whatever it was doing)
+    /// becomes what it was at the checkpoint; same id.
+    pub async fn restore_checkpoint(
+        self: &Arc<Self>,
+        vm: Uuid,
+        cp: Uuid,
+    ) -> Result<Sandbox, ApiError> {
+        let (_g, s) = self.locked(vm).await?;
+        if !matches!(
+            s.state,
+            State::Running | State::Paused | State::Sleeping | State::Hibernated
+        ) {
+            return Err(invalid(&s, "restore a checkpoint"));
+        }
+        if s.state.has_worker() {
+            self.db(move |r| r.set_worker_opt(vm, None)).await?;
+            self.free_worker(&s).await;
+        }
+        self.db(move |r| {
+            r.set_snapshots(vm, Some(cp), None)?;
+            r.set_state(vm, State::Starting, None)
+        })
+        .await?;
+        let s2 = self.get(vm).await?;
+        if let Err(e) = self.restore_into(&s2, cp, s.hostname.clone()).await {
+            let why = format!("Cannot restore the checkpoint: {}", e.message);
+            let w = why.clone();
+            self.db(move |r| r.set_state(vm, State::Failed, Some(&w)))
+                .await?;
+            return Err(ApiError::new(e.code, format!("Sandbox {vm}: {why}")));
+        }
+        self.collect_garbage().await;
+        self.get(vm).await
+    }
+
+    /// A new sandbox `s` (recorded, `starting`) from snapshot `snap`, its
+    /// guest re-identified; `failed` with the reason if it does not come up.
+    pub async fn start_from_snapshot(
+        self: &Arc<Self>,
+        s: Sandbox,
+        snap: Uuid,
+    ) -> Result<Sandbox, ApiError> {
+        let id = s.id;
+        let _g = self.lifecycle.lock_of(id).write_owned().await;
+        let t = Instant::now();
+        if let Err(e) = self.restore_into(&s, snap, None).await {
+            let why = e.message.clone();
+            self.db(move |r| r.set_state(id, State::Failed, Some(&why)))
+                .await?;
+            return Err(ApiError::new(
+                e.code,
+                format!("Sandbox {id} failed to start: {}", e.message),
+            ));
+        }
+        self.metrics.restore.observe(t.elapsed());
+        self.get(id).await
+    }
+
+    /// `POST /vms/{id}/fork`: a snapshot of the sandbox, then `count` new
+    /// sandboxes restored from it in parallel, each its own worker with
+    /// `parentVmId` set and a fresh identity. One child failing does not
+    /// fail the others.
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: Uuid,
+        count: usize,
+    ) -> Result<(SnapshotRow, Vec<Result<Sandbox, (Uuid, ApiError)>>), ApiError> {
+        let t = Instant::now();
+        let (snap, kids) = {
+            let (_g, s) = self.locked(id).await?;
+            if !matches!(s.state, State::Running | State::Paused) {
+                return Err(invalid(&s, "fork"));
+            }
+            let snap = self.take_snapshot(&s, SnapshotKind::User, None).await?;
+            let kids: Vec<Sandbox> = (0..count).map(|_| child_of(&s, snap.id)).collect();
+            let rows = kids.clone();
+            self.db(move |r| rows.iter().try_for_each(|k| r.insert_sandbox(k)))
+                .await?;
+            (snap, kids)
+        };
+        let tasks: Vec<_> = kids
+            .into_iter()
+            .map(|k| {
+                let app = self.clone();
+                let sid = snap.id;
+                tokio::spawn(async move {
+                    let kid = k.id;
+                    app.start_from_snapshot(k, sid).await.map_err(|e| (kid, e))
+                })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            out.push(
+                t.await
+                    .unwrap_or_else(|e| Err((Uuid::nil(), ApiError::internal(e.to_string())))),
+            );
+        }
+        self.metrics.fork.observe(t.elapsed());
+        Ok((snap, out))
+    }
+
+    /// Removes the snapshots nothing needs any more (see
+    /// [`super::registry::Registry::collect_garbage`]).
+    pub async fn collect_garbage(self: &Arc<Self>) {
+        match self.db(|r| r.collect_garbage()).await {
+            Ok(gone) if !gone.is_empty() => {
+                let a = self.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    for g in &gone {
+                        a.supervisor.remove_snapshot(&g.dir);
+                    }
+                    tracing::info!("removed {} snapshots nothing builds on", gone.len());
+                })
+                .await;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("snapshot garbage collection: {}", e.message),
+        }
+    }
+}
+
+/// A fork child of `s` from `snap`: its shape, image, env, metadata and
+/// idle timeout.
+fn child_of(s: &Sandbox, snap: Uuid) -> Sandbox {
+    Sandbox {
+        id: Uuid::new_v4(),
+        state: State::Starting,
+        worker_socket: None,
+        vsock_socket: None,
+        pid: None,
+        created_ms: now_ms(),
+        parent_vm_id: Some(s.id),
+        snapshot_id: Some(snap),
+        failure_reason: None,
+        lineage_snapshot_id: Some(snap),
+        rest_snapshot_id: None,
+        hostname: None,
+        ..s.clone()
+    }
+}
+
+/// A sandbox's host name: `sprout-` and the first 12 hex digits of its id.
+pub fn hostname_for(id: Uuid) -> String {
+    format!("sprout-{}", &id.simple().to_string()[..12])
+}
+
+fn worker_err(e: sprout_worker::ClientError) -> ApiError {
+    ApiError::new(
+        Code::WorkerFailed,
+        format!("The sandbox's worker refused: {}", chain(&e)),
+    )
+}
+
+fn worker_failed(e: String) -> ApiError {
+    ApiError::new(Code::WorkerFailed, e)
+}
+
+/// The idle sweeper: every second, each running sandbox with an idle
+/// timeout that has had no activity for that long, and runs no call, is
+/// put to sleep. A sandbox in a transition is looked at next time.
+pub fn sweeper(app: &Arc<App>) {
+    let app = app.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Ok(all) = app.db(|r| r.list_sandboxes()).await else {
+                continue;
+            };
+            for s in all {
+                let Some(limit) = s.idle_timeout_secs.map(|t| Duration::from_secs(t.into())) else {
+                    continue;
+                };
+                if s.state != State::Running {
+                    continue;
+                }
+                let (busy, idle) = app.lifecycle.idle(s.id);
+                if busy > 0 || idle < limit {
+                    if !lock(&app.lifecycle.activity).contains_key(&s.id) {
+                        // First seen (a re-adopted sandbox): idle from now.
+                        app.lifecycle.touch(s.id);
+                    }
+                    continue;
+                }
+                let Ok(g) = app.lifecycle.lock_of(s.id).try_write_owned() else {
+                    continue;
+                };
+                let id = s.id;
+                let a = app.clone();
+                // Its own task, so a slow snapshot holds up no other sandbox.
+                tokio::spawn(async move {
+                    let _g = g;
+                    let Ok(Some(s)) = a.db(move |r| r.get_sandbox(id)).await else {
+                        return;
+                    };
+                    let (busy, idle) = a.lifecycle.idle(id);
+                    if s.state != State::Running || busy > 0 || idle < limit {
+                        return;
+                    }
+                    tracing::info!(vm = %id, "idle for {} s: sleeping", idle.as_secs());
+                    if let Err(e) = a.suspend_locked(s, State::Sleeping).await {
+                        tracing::warn!(vm = %id, "idle sleep failed: {}", e.message);
+                        a.lifecycle.touch(id);
+                    }
+                });
+            }
+        }
+    });
+}

@@ -1,0 +1,307 @@
+//! Snapshots on disk, and the worker work behind the rest states: writing a
+//! snapshot of a sandbox's VM, restoring one into a fresh worker, and
+//! flattening a snapshot's disk layers into one plain disk (for a cold boot
+//! from a snapshot's disk: a reboot, or a wake whose memory cannot be
+//! restored).
+//!
+//! Each snapshot is `<data dir>/snapshots/<snapshot id>/s`, a directory as
+//! the `snapshot` crate writes it (a manifest, the VM state, a memory layer
+//! and a disk layer per writable disk, all checksummed); a diff names its
+//! parent's directory. A jailed worker writes one through a bind mount of
+//! `<snapshot id>/` that sproutd makes for it, owned by the jail uid for
+//! the write; once written, sproutd takes every file back (root's, not
+//! writable by the jail uid) and verifies the snapshot whole before the API
+//! reports it. A restore exposes every snapshot of the chain read-only into
+//! the new worker's jail, at the same paths.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use devices::virtio::block::{LayerFiles, LayerKind, LayeredDisk};
+use sprout_worker::protocol::{Backend, Request, Response, RestoreSpec, Shape};
+use uuid::Uuid;
+
+use super::error::chain;
+use super::registry::Sandbox;
+use super::supervisor::{
+    give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, VM_SUBDIR, WORKER_LOG,
+};
+
+/// In `<data dir>`: the snapshots.
+pub const SNAPSHOTS_DIR: &str = "snapshots";
+/// In `<snapshots>/<id>/`: the snapshot directory itself.
+pub const SNAPSHOT_SUBDIR: &str = "s";
+
+/// A snapshot just written: where, and its size on disk.
+pub struct Written {
+    pub dir: PathBuf,
+    pub size_bytes: u64,
+}
+
+impl Supervisor {
+    /// Has the worker of `s` write a snapshot of its VM (a diff on its
+    /// lineage's parent when `diff`), then verifies it. A running VM is
+    /// paused for the capture and runs on; a paused one stays paused.
+    pub fn snapshot(&self, s: &Sandbox, id: Uuid, diff: bool) -> Result<Written, String> {
+        let sock = s
+            .worker_socket
+            .clone()
+            .ok_or_else(|| "The sandbox has no worker".to_owned())?;
+        let base = self.snapshots_dir().join(id.to_string());
+        std::fs::create_dir_all(&base)
+            .map_err(|e| format!("Cannot create {}: {e}", base.display()))?;
+        let r = self.snapshot_into(&sock, &base, diff);
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(&base);
+        }
+        r
+    }
+
+    fn snapshot_into(&self, sock: &Path, base: &Path, diff: bool) -> Result<Written, String> {
+        let base = base
+            .canonicalize()
+            .map_err(|e| format!("Cannot resolve {}: {e}", base.display()))?;
+        let jail = self.jail_of(sock);
+        if let (Some(j), Some(o)) = (&jail, &self.cmd.jail) {
+            give(&base, o.uid, o.gid)?;
+            j.expose(&base, false).map_err(|e| {
+                format!(
+                    "Cannot expose {} to the worker's jail: {}",
+                    base.display(),
+                    chain(&e)
+                )
+            })?;
+        }
+        let dir = base.join(SNAPSHOT_SUBDIR);
+        let mut c = sprout_worker::Client::connect(sock)
+            .map_err(|e| format!("The sandbox's worker does not answer: {}", chain(&e)))?;
+        c.snapshot(&dir, diff)
+            .map_err(|e| format!("The worker could not write the snapshot: {}", chain(&e)))?;
+        if jail.is_some() {
+            // Root's from now on: the worker may read it, never change it.
+            take_back(&base).map_err(|e| format!("Cannot take back {}: {e}", base.display()))?;
+        }
+        snapshot::format::Snapshot::load(&dir).map_err(|e| {
+            format!(
+                "The snapshot written to {} does not verify: {}",
+                dir.display(),
+                chain(&e)
+            )
+        })?;
+        Ok(Written {
+            size_bytes: du(&dir),
+            dir,
+        })
+    }
+
+    /// Starts a worker for `s` and restores into it the snapshot whose
+    /// chain is `dirs` (base first, the snapshot itself last); `read_only`
+    /// are the files its VM reads but the snapshot does not hold (its base
+    /// image). Returns once the VM runs; its vsock socket is the sandbox's
+    /// `vm/vsock.sock`.
+    pub fn restore(
+        &self,
+        s: &Sandbox,
+        dirs: &[PathBuf],
+        read_only: &[PathBuf],
+        instance_id: u64,
+    ) -> Result<Booted, BootError> {
+        let top = dirs
+            .last()
+            .cloned()
+            .ok_or_else(|| BootError::Failed("No snapshot to restore".into()))?;
+        let (dir, rw) = self.make_dirs(s.id).map_err(BootError::Failed)?;
+        let vsock = rw.join("vsock.sock");
+        // A previous worker's socket file, if it left one.
+        let _ = std::fs::remove_file(&vsock);
+        let sock = dir.join(CONTROL_SOCK);
+        let console = dir.join(CONSOLE_LOG);
+        let log = dir.join(WORKER_LOG);
+        let shape = Shape {
+            vcpus: s.cpus,
+            mem_mib: u64::from(s.memory_mb),
+        };
+        let mut worker = self
+            .cmd
+            .clone()
+            .log_to(&log)
+            .spawn(&sock, Some(shape), Some(&console))
+            .map_err(|e| {
+                BootError::Failed(format!(
+                    "Cannot start a worker: {}{}",
+                    chain(&e),
+                    self.worker_log_tail(s.id)
+                ))
+            })?;
+        let exposed = match &worker.jail {
+            None => Ok(()),
+            Some(j) => std::iter::once((rw.as_path(), false))
+                .chain(dirs.iter().chain(read_only).map(|d| (d.as_path(), true)))
+                .try_for_each(|(p, ro)| j.expose(p, ro).map(|_| ()))
+                .map_err(|e| format!("Cannot expose the snapshot to the jail: {}", chain(&e))),
+        };
+        let restored = exposed.and_then(|()| {
+            let spec = RestoreSpec {
+                dir: top.clone(),
+                backend: Backend::Mmap,
+                vsock_uds: Some(vsock.clone()),
+                instance_id: Some(instance_id),
+                prefetch: false,
+            };
+            let r = match worker.client.call(&Request::Restore(spec)) {
+                Ok(Response::Ok) => worker.client.describe(),
+                Ok(_) => Err(sprout_worker::ClientError::Unexpected("restore", "answer")),
+                Err(e) => Err(e),
+            };
+            r.map_err(|e| {
+                format!(
+                    "The worker could not restore {}: {}",
+                    top.display(),
+                    chain(&e)
+                )
+            })
+        });
+        match restored {
+            Ok(d) => Ok(Booted {
+                vsock: d.vsock_uds,
+                guest: d.guest.unwrap_or(sprout_worker::protocol::GuestKind::Linux),
+                worker,
+            }),
+            Err(e) => {
+                let _ = worker.client.stop();
+                let _ = worker.child.kill();
+                if let Err(w) = worker.wait() {
+                    tracing::warn!(vm = %s.id, "after a failed restore: {w}");
+                }
+                Err(BootError::Failed(format!("{e}{}", self.tails(s.id))))
+            }
+        }
+    }
+
+    /// Writes the writable disk of the snapshot `top` (its layers and its
+    /// chain's, flattened) as the plain disk `dst` (replaced), the jail
+    /// uid's when workers are jailed: what a cold boot from that snapshot's
+    /// disk boots with.
+    pub fn flatten_disk(&self, top: &Path, dst: &Path) -> Result<(), String> {
+        let snaps = snapshot::format::Snapshot::load_chain(top)
+            .map_err(|e| format!("Cannot load {}: {}", top.display(), chain(&e)))?;
+        let last = snaps.last().ok_or("An empty snapshot chain")?;
+        let [layer] = last.manifest().disk_layers.as_slice() else {
+            return Err(format!(
+                "Snapshot {} has {} writable disks, not one",
+                top.display(),
+                last.manifest().disk_layers.len()
+            ));
+        };
+        let name = layer.name.clone();
+        let mut layers = Vec::new();
+        let mut size = 0;
+        for s in &snaps {
+            let Some(d) = s.disk_layer(&name) else {
+                continue;
+            };
+            let [data, map] = d.files.as_slice() else {
+                return Err(format!(
+                    "Disk layer {name} of {} is not data + map",
+                    s.dir().display()
+                ));
+            };
+            size = std::fs::metadata(s.file_path(data))
+                .map_err(|e| format!("Cannot read {}: {e}", s.file_path(data).display()))?
+                .len();
+            layers.push(LayerFiles::mapped(s.file_path(data), s.file_path(map)));
+        }
+        let tmp = |ext: &str| dst.with_extension(ext);
+        let (scratch, out, out_map) = (tmp("flat-top"), tmp("flat"), tmp("flat-map"));
+        for p in [&scratch, &out, &out_map] {
+            let _ = std::fs::remove_file(p);
+        }
+        let r = (|| {
+            let disk = LayeredDisk::create(layers, &scratch, size)
+                .map_err(|e| format!("Cannot open the disk's layers: {}", chain(&e)))?;
+            disk.write_layer(&out, &out_map, LayerKind::Full)
+                .map_err(|e| format!("Cannot write the flat disk: {}", chain(&e)))?;
+            drop(disk);
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&out)
+                .map_err(|e| format!("Cannot open {}: {e}", out.display()))?;
+            f.set_len(size)
+                .and_then(|()| f.sync_all())
+                .map_err(|e| format!("Cannot size {}: {e}", out.display()))?;
+            if let Some(o) = &self.cmd.jail {
+                give(&out, o.uid, o.gid)?;
+            }
+            std::fs::rename(&out, dst)
+                .map_err(|e| format!("Cannot move the flat disk to {}: {e}", dst.display()))
+        })();
+        for p in [&scratch, &out, &out_map] {
+            let _ = std::fs::remove_file(p);
+        }
+        r
+    }
+
+    /// The writable disk of a booted sandbox (`vm/disk.ext4`).
+    pub fn disk_path(&self, id: Uuid) -> PathBuf {
+        self.vm_dir(id).join(VM_SUBDIR).join("disk.ext4")
+    }
+
+    /// Removes a snapshot's files (`dir` is its `s`; its parent, the
+    /// snapshot's own directory, goes with it).
+    pub fn remove_snapshot(&self, dir: &Path) {
+        let base = dir.parent().filter(|b| b.starts_with(self.snapshots_dir()));
+        let Some(base) = base else {
+            tracing::warn!("not removing {}: not a snapshot directory", dir.display());
+            return;
+        };
+        match std::fs::remove_dir_all(base) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!("cannot remove {}: {e}", base.display()),
+        }
+    }
+}
+
+/// Makes everything under `dir` root's: directories 0755, files 0644.
+fn take_back(dir: &Path) -> std::io::Result<()> {
+    let root = Some(rustix::fs::Uid::ROOT);
+    let group = Some(rustix::fs::Gid::ROOT);
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        rustix::fs::chown(&d, root, group)?;
+        rustix::fs::chmod(&d, rustix::fs::Mode::from_raw_mode(0o755))?;
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            let t = e.file_type()?;
+            if t.is_dir() {
+                todo.push(e.path());
+            } else if t.is_file() {
+                rustix::fs::chown(e.path(), root, group)?;
+                rustix::fs::chmod(e.path(), rustix::fs::Mode::from_raw_mode(0o644))?;
+            } else {
+                // A worker has no business leaving links or sockets here.
+                std::fs::remove_file(e.path())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bytes `dir`'s files take on disk (sparse files count what they hold).
+fn du(dir: &Path) -> u64 {
+    let mut n = 0;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => todo.push(e.path()),
+                Ok(m) => n += m.blocks() * 512,
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
