@@ -4,126 +4,15 @@
 //! Sprout's test guest (image `testguest`), which runs on any KVM host; the
 //! Linux path is tested in the lab (tests/tests/lab_sproutd.rs).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use reqwest::{Client, Response, StatusCode};
+use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 
-/// A running sproutd.
-struct Daemon {
-    child: Child,
-    base: String,
-    data_dir: PathBuf,
-}
-
-impl Daemon {
-    fn start(data_dir: &Path) -> Daemon {
-        Self::start_with(data_dir, &[])
-    }
-
-    fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(data_dir.with_extension("log"))
-            .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-            .args(["--no-lab", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(data_dir)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start sproutd");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("sproutd listening on ")
-            .unwrap_or_else(|| panic!("sproutd said {line:?}; log: {}", Self::log(data_dir)))
-            .to_owned();
-        Daemon {
-            child,
-            base: addr,
-            data_dir: data_dir.to_owned(),
-        }
-    }
-
-    fn log(data_dir: &Path) -> String {
-        std::fs::read_to_string(data_dir.with_extension("log")).unwrap_or_default()
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// SIGTERM (a graceful stop), waited for.
-    fn stop(mut self) {
-        let pid = self.child.id().to_string();
-        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        let st = self.child.wait().unwrap();
-        assert!(st.success(), "sproutd exited {st}");
-    }
-
-    /// SIGKILL, waited for.
-    fn kill9(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn data_dir() -> (tempfile::TempDir, PathBuf) {
-    let t = tempfile::tempdir().unwrap();
-    let d = t.path().join("data");
-    (t, d)
-}
-
-/// Checks that `r` is the error envelope with `status` and `code`, and has
-/// a request id; its message.
-async fn assert_error(r: Response, status: StatusCode, code: &str) -> String {
-    let got = r.status();
-    assert!(
-        r.headers().contains_key("x-request-id"),
-        "no request id: {r:?}"
-    );
-    let ct = r.headers()["content-type"].to_str().unwrap().to_owned();
-    let body = r.text().await.unwrap();
-    assert_eq!(got, status, "{body}");
-    assert!(ct.starts_with("application/json"), "{ct}: {body}");
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
-    assert_eq!(v["error"]["code"], code, "{body}");
-    let msg = v["error"]["message"]
-        .as_str()
-        .expect("a message")
-        .to_owned();
-    assert!(!msg.is_empty(), "{body}");
-    msg
-}
-
-async fn post(c: &Client, d: &Daemon, path: &str, body: Value) -> Response {
-    c.post(d.url(path)).json(&body).send().await.unwrap()
-}
-
-async fn raw_post(c: &Client, d: &Daemon, path: &str, body: &'static str) -> Response {
-    c.post(d.url(path))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap()
-}
+mod common;
+use common::*;
 
 #[tokio::test]
 async fn health_and_info_answer_and_every_answer_has_a_request_id() {
@@ -505,17 +394,6 @@ async fn vms(c: &Client, d: &Daemon, query: &str) -> Vec<Value> {
     v["vms"].as_array().unwrap().clone()
 }
 
-fn alive(pid: u64) -> bool {
-    // A zombie (an exited child not yet reaped) is not alive.
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        !s.rsplit(')')
-            .next()
-            .unwrap_or("")
-            .trim_start()
-            .starts_with('Z')
-    })
-}
-
 #[tokio::test]
 async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     let (_t, dir) = data_dir();
@@ -524,17 +402,13 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
     let mut ids = Vec::new();
     let mut pids = Vec::new();
     for team in ["red", "blue"] {
-        let r = post(
+        let v = schedule(
             &c,
             &d,
-            "/v1/runtime/schedule",
             json!({"image": "testguest", "cpus": 1, "memoryMb": 128, "idleTimeoutSecs": 60,
                    "disableInternet": true, "metadata": {"team": team}, "env": {"A": "1"}}),
         )
         .await;
-        let status = r.status();
-        let v: Value = r.json().await.unwrap();
-        assert_eq!(status, 201, "{v}\n{}", Daemon::log(&dir));
         assert_eq!(v["state"], "running", "{v}");
         assert_eq!(v["image"], "testguest");
         assert_eq!(
@@ -689,6 +563,7 @@ async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
     let (_t, dir) = data_dir();
     let d = Daemon::start(&dir);
     let c = Client::new();
+    // The first create builds the template (503), the next restores it.
     let r = post(
         &c,
         &d,
@@ -696,8 +571,13 @@ async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
         json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
     )
     .await;
-    assert_eq!(r.status(), 201);
-    let id = r.json::<Value>().await.unwrap()["vmId"]
+    assert_error(r, StatusCode::SERVICE_UNAVAILABLE, "template_building").await;
+    let id = schedule(
+        &c,
+        &d,
+        json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
+    )
+    .await["vmId"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -729,6 +609,15 @@ async fn metrics_count_sandboxes_by_state_requests_by_route_and_creates() {
     ] {
         assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
     }
+    // The first create, and any while the template was built: 503s.
+    let building = "sproutd_http_requests_total{route=\"/v1/runtime/schedule\",method=\"POST\",status=\"503\"} ";
+    let n: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(building))
+        .unwrap_or_else(|| panic!("{building} in\n{text}"))
+        .parse()
+        .unwrap();
+    assert!(n >= 1);
     assert!(!text.contains(&id), "no series per sandbox id");
     let r = c
         .delete(d.url(&format!("/v1/runtime/vms/{id}")))
@@ -783,15 +672,12 @@ async fn a_worker_that_dies_fails_its_sandbox_at_once_without_an_exec() {
     let mut ids = Vec::new();
     let mut pids = Vec::new();
     for _ in 0..2 {
-        let r = post(
+        let v = schedule(
             &c,
             &d,
-            "/v1/runtime/schedule",
             json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
         )
         .await;
-        assert_eq!(r.status(), StatusCode::CREATED);
-        let v: Value = r.json().await.unwrap();
         ids.push(v["vmId"].as_str().unwrap().to_owned());
         pids.push(v["workerPid"].as_u64().unwrap());
     }
@@ -939,7 +825,7 @@ async fn openapi_json_is_the_committed_document_and_every_documented_operation_i
             }
         }
     }
-    assert_eq!(probed, 20);
+    assert_eq!(probed, 37);
     // And a route nobody documents is the router's 404.
     let r = c.get(d.url("/v1/runtime/nothing")).send().await.unwrap();
     assert_error(r, StatusCode::NOT_FOUND, "not_found").await;
@@ -968,17 +854,18 @@ async fn openapi_real_answers_fit_the_document() {
             &r.json().await.unwrap(),
         );
     }
-    let r = post(
-        &c,
-        &d,
-        "/v1/runtime/schedule",
-        json!({"image": "testguest", "cpus": 1, "memoryMb": 128, "metadata": {"k": "v"}}),
-    )
-    .await;
+    let body = json!({"image": "testguest", "cpus": 1, "memoryMb": 128, "metadata": {"k": "v"}});
+    let r = post(&c, &d, "/v1/runtime/schedule", body.clone()).await;
     let status = r.status().as_u16();
-    let vm: Value = r.json().await.unwrap();
-    assert_eq!(status, 201, "{vm}");
-    check("post", "/v1/runtime/schedule", status, &vm);
+    assert_eq!(status, 503);
+    check(
+        "post",
+        "/v1/runtime/schedule",
+        status,
+        &r.json().await.unwrap(),
+    );
+    let vm = schedule(&c, &d, body).await;
+    check("post", "/v1/runtime/schedule", 201, &vm);
     let id = vm["vmId"].as_str().unwrap();
     let one = format!("/v1/runtime/vms/{id}");
     let r = c.get(d.url(&one)).send().await.unwrap();
@@ -1136,23 +1023,6 @@ fn names(dir: &Path) -> Vec<String> {
     v
 }
 
-/// Bytes through the test guest's vsock echo port (1234), from the host
-/// side of the sandbox's vsock socket.
-fn vsock_echo(uds: &Path, msg: &[u8]) -> Vec<u8> {
-    use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(uds)
-        .unwrap_or_else(|e| panic!("connect {}: {e}", uds.display()));
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(b"CONNECT 1234\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(&mut s).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "vsock handshake answer {line:?}");
-    s.write_all(msg).unwrap();
-    let mut got = vec![0u8; msg.len()];
-    s.read_exact(&mut got).unwrap();
-    got
-}
-
 /// The mounts process `pid` sees (its `/proc/PID/mountinfo`, paths from its
 /// own root): mount point -> read-only.
 fn mounts_of(pid: u64) -> std::collections::BTreeMap<String, bool> {
@@ -1175,23 +1045,6 @@ fn top(p: &Path) -> String {
         .into_owned()
 }
 
-async fn schedule_testguest(c: &Client, d: &Daemon) -> (String, u64) {
-    let r = post(
-        c,
-        d,
-        "/v1/runtime/schedule",
-        json!({"image": "testguest", "cpus": 1, "memoryMb": 128}),
-    )
-    .await;
-    let status = r.status();
-    let v: Value = r.json().await.unwrap();
-    assert_eq!(status, 201, "{v}\n{}", Daemon::log(&d.data_dir));
-    (
-        v["vmId"].as_str().unwrap().to_owned(),
-        v["workerPid"].as_u64().unwrap(),
-    )
-}
-
 /// Run as root (as here and in CI), sproutd jails each worker: nobody, no
 /// capabilities, seccomp filters, and a root holding only the jail's own
 /// entries and the sandbox's files; the sandbox still answers (its vsock
@@ -1203,7 +1056,9 @@ async fn schedule_testguest(c: &Client, d: &Daemon) -> (String, u64) {
 async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
     let (_t, dir) = data_dir();
     let c = Client::new();
-    let d = Daemon::start(&dir);
+    // A booted worker's jail (a restored one's is checked in
+    // rest_states.rs).
+    let d = Daemon::start_with(&dir, &["--no-templates"]);
     let (id, pid) = schedule_testguest(&c, &d).await;
     if rustix::process::geteuid().as_raw() != 0 {
         let log = Daemon::log(&dir);

@@ -4,106 +4,15 @@
 //! TCG with nested SVM, tests/lab/) over its forwarded port, booting real
 //! Linux guests there; the registry lives on the lab's persistent data disk.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use reqwest::Client;
 use serde_json::{json, Value};
 
-/// The lab, built (or found in the cache) by tests/lab/build.sh.
-fn lab() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("tests/lab/build.sh"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run tests/lab/build.sh");
-    assert!(out.status.success(), "tests/lab/build.sh failed");
-    // (Its last line: the lab's directory.)
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    PathBuf::from(
-        stdout
-            .lines()
-            .last()
-            .expect("build.sh names the lab")
-            .trim(),
-    )
-}
-
-struct Hosted {
-    child: Child,
-    base: String,
-    banner: Vec<String>,
-}
-
-impl Hosted {
-    fn start(lab: &Path, data_dir: &Path) -> Hosted {
-        std::fs::create_dir_all(data_dir).unwrap();
-        let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-            .args([
-                "--lab",
-                "--lab-memory-mib",
-                "2048",
-                "--listen",
-                "127.0.0.1:0",
-            ])
-            // Passed on to the lab's sproutd (/v1/info shows them).
-            .args(["--max-execs-per-vm", "7", "--max-execs", "77"])
-            .arg("--data-dir")
-            .arg(data_dir)
-            .env("SPROUT_LAB", lab)
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("start sproutd");
-        // The banner: the address line, then how to use it. It comes once
-        // the lab's sproutd answers through the forwarded port.
-        let mut out = BufReader::new(child.stdout.take().unwrap());
-        let mut banner = Vec::new();
-        loop {
-            let mut line = String::new();
-            let n = out.read_line(&mut line).unwrap();
-            assert!(
-                n > 0,
-                "sproutd ended before it listened: {}",
-                std::fs::read_to_string(data_dir.with_extension("log")).unwrap_or_default()
-            );
-            banner.push(line.trim_end().to_owned());
-            if line.contains("Stop with Ctrl-C") {
-                break;
-            }
-        }
-        let base = banner[0]
-            .strip_prefix("sproutd listening on ")
-            .unwrap_or_else(|| panic!("first line: {:?}", banner[0]))
-            .to_owned();
-        Hosted {
-            child,
-            base,
-            banner,
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    /// SIGINT, as Ctrl-C sends it; the exit status.
-    fn interrupt(mut self) -> std::process::ExitStatus {
-        let pid = self.child.id().to_string();
-        Command::new("kill").args(["-INT", &pid]).status().unwrap();
-        self.child.wait().unwrap()
-    }
-}
-
-impl Drop for Hosted {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::lab::{lab, Hosted};
 
 /// Pids of QEMU processes that use `disk`.
 fn qemus_on(disk: &Path) -> Vec<u32> {
@@ -172,7 +81,10 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     let banner = h.banner.join("\n");
     assert!(banner.contains("latencies there are emulated"), "{banner}");
     assert!(
-        banner.contains(&format!("curl -sf -X POST {}/v1/runtime/schedule", h.base)),
+        banner.contains(&format!(
+            "curl -sf --retry 60 -X POST {}/v1/runtime/schedule",
+            h.base
+        )),
         "{banner}"
     );
     assert!(disk.is_file(), "a data disk at {}", disk.display());
@@ -197,14 +109,12 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     );
 
     // A Linux sandbox from the default image, and a command in it.
-    let (st, v) = post(
+    let v = common::lab::schedule(
         &c,
         &h,
-        "/v1/runtime/schedule",
         json!({"cpus": 1, "memoryMb": 256, "metadata": {"run": "first"}}),
     )
     .await;
-    assert_eq!(st, 201, "{v}");
     let first = v["vmId"].as_str().unwrap().to_owned();
     let v = exec(&c, &h, &first, "python3", &["-c", "print(2**100)"]).await;
     assert_eq!(v["stdout"], "1267650600228229401496703205376\n", "{v}");
@@ -246,14 +156,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     assert_eq!(vms[0]["state"], "failed", "{list}");
     assert!(vms[0]["failureReason"].as_str().is_some(), "{list}");
     // New sandboxes work in the restarted lab; both delete cleanly.
-    let (st, v) = post(
-        &c,
-        &h,
-        "/v1/runtime/schedule",
-        json!({"cpus": 1, "memoryMb": 256}),
-    )
-    .await;
-    assert_eq!(st, 201, "{v}");
+    let v = common::lab::schedule(&c, &h, json!({"cpus": 1, "memoryMb": 256})).await;
     let second = v["vmId"].as_str().unwrap().to_owned();
     let v = exec(&c, &h, &second, "/bin/sh", &["-c", "echo again; uname -s"]).await;
     assert_eq!(v["stdout"], "again\nLinux\n", "{v}");

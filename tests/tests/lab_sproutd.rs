@@ -8,8 +8,10 @@ use sprout_tests::lab;
 
 const SCRIPT: &str = r#"
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+# Every create cold-boots here (the boot path, and its jail, is what this
+# test looks at; templates are tested in service/tests/lab_rest.rs).
 start_daemon() {
-  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd "$@" >>/tmp/sd.out 2>>/tmp/sd.log &
+  sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd --no-templates "$@" >>/tmp/sd.out 2>>/tmp/sd.log &
   daemon=$!
   i=0
   until sprout api GET /v1/health >/dev/null 2>&1; do
