@@ -348,8 +348,16 @@ async fn a_sandbox_goes_through_every_rest_state_and_leaves_nothing_behind() {
     );
     assert_eq!(snapshot_dirs(&d), [t["snapshotId"].as_str().unwrap()]);
     assert!(names_or_empty(&dir.join("vms")).is_empty());
-    assert!(names_or_empty(&dir.join("jails")).is_empty());
+    // Ready workers wait, one per shape restored in (jailed as root),
+    // and go with a graceful stop.
+    let ready = names_or_empty(&dir.join("ready"));
+    assert_eq!(ready.len(), 1, "{ready:?}");
+    if rustix::process::geteuid().as_raw() == 0 {
+        assert_eq!(names_or_empty(&dir.join("jails")).len(), 1);
+    }
     d.stop();
+    assert!(names_or_empty(&dir.join("ready")).is_empty());
+    assert!(names_or_empty(&dir.join("jails")).is_empty());
 }
 
 fn names_or_empty(dir: &std::path::Path) -> Vec<String> {
@@ -656,5 +664,60 @@ async fn a_wake_whose_snapshot_is_damaged_cold_boots_and_says_so() {
     assert!(!v["coldBootReason"].as_str().unwrap().is_empty(), "{v}");
     assert_eq!(v["vm"]["state"], "running");
     answers(&d, &id, "cold booted");
+    d.stop();
+}
+
+/// Ready workers a killed sproutd left are stopped by the next one, and a
+/// create from a template takes a ready worker (its worker's log and
+/// console move into the sandbox's directory).
+#[tokio::test]
+async fn ready_workers_are_taken_by_restores_and_a_killed_sproutds_are_stopped() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start(&dir);
+    let (a, _) = schedule_testguest(&c, &d).await;
+    // The template's shape gets a ready worker.
+    let dir2 = dir.clone();
+    let waits = |n: usize| {
+        let dir = dir2.clone();
+        async move {
+            let t = Instant::now();
+            while Daemon::log(&dir)
+                .matches("a ready worker of 1 vCPUs, 128 MiB waits")
+                .count()
+                < n
+            {
+                assert!(t.elapsed() < Duration::from_secs(30), "no ready worker");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // The template's build, then `a`'s restore, each left one waiting.
+    waits(2).await;
+    let first = names_or_empty(&dir.join("ready"));
+    assert_eq!(first.len(), 1, "{first:?}");
+    let (b, pid_b) = schedule_testguest(&c, &d).await;
+    answers(&d, &b, "restored into a ready worker");
+    // It was the ready one: its directory is gone, its files moved in.
+    let sock = dir.join("ready").join(&first[0]).join("control.sock");
+    assert!(!sock.exists(), "{}", sock.display());
+    let vm_dir = dir.join("vms").join(&b);
+    assert!(vm_dir.join("worker.log").exists() && vm_dir.join("control.sock").exists());
+    assert!(alive(pid_b));
+    // A replacement comes; then sproutd dies by kill -9.
+    waits(3).await;
+    let left = names_or_empty(&dir.join("ready"));
+    let left_sock = dir.join("ready").join(&left[0]).join("control.sock");
+    assert!(std::os::unix::net::UnixStream::connect(&left_sock).is_ok());
+    d.kill9();
+    let d = Daemon::start(&dir);
+    assert!(
+        !dir.join("ready").join(&left[0]).exists(),
+        "the left ready worker is gone"
+    );
+    assert!(std::os::unix::net::UnixStream::connect(&left_sock).is_err());
+    // The sandboxes were re-adopted and run.
+    answers(&d, &a, "re-adopted");
+    answers(&d, &b, "re-adopted too");
     d.stop();
 }

@@ -40,6 +40,7 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         metrics: metrics::Metrics::default(),
         lifecycle: Default::default(),
         templates: true,
+        pool: super::pool::Pool::new(data_dir, 0),
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))
 }

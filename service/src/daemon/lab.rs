@@ -582,6 +582,8 @@ pub(super) fn serve(
             if args.no_templates {
                 a.push("--no-templates".into());
             }
+            a.push("--ready-workers".into());
+            a.push(args.ready_workers.to_string());
             a
         },
     };

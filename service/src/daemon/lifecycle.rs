@@ -561,14 +561,21 @@ impl App {
             .filter(|i| i.name == s.image && s.image != TEST_GUEST_IMAGE)
             .map(|i| i.path.clone())
             .collect();
+        let shape = sprout_worker::protocol::Shape {
+            vcpus: s.cpus,
+            mem_mib: u64::from(s.memory_mb),
+        };
         let (a, row) = (self.clone(), s.clone());
         let booted = self
             .blocking(move || {
+                let ready = a.pool.take(shape);
                 a.supervisor
-                    .restore(&row, &chain, &image, iid)
+                    .restore(&row, &chain, &image, iid, ready)
                     .map_err(restore_failed)
             })
-            .await?;
+            .await;
+        super::pool::refill_later(self, shape);
+        let booted = booted?;
         self.adopt_booted(s, booted, Some((iid, hostname))).await
     }
 

@@ -19,6 +19,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 pub mod openapi;
+mod pool;
 mod procs;
 pub mod registry;
 mod rest;
@@ -92,6 +93,11 @@ pub struct DaemonArgs {
     /// `503 template_building`; docs/api.md, "Templates").
     #[arg(long)]
     pub no_templates: bool,
+    /// Worker processes kept started, jailed and holding a VM shell, for
+    /// each shape sandboxes are restored in, so that a create from a
+    /// template, a fork or a wake does not wait for one (0: none).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=16))]
+    pub ready_workers: u16,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +148,8 @@ pub struct App {
     lifecycle: lifecycle::Lifecycle,
     /// Creates restore their (image, shape)'s template (else cold-boot).
     templates: bool,
+    /// Ready workers by shape.
+    pool: pool::Pool,
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -361,6 +369,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         metrics: metrics::Metrics::default(),
         lifecycle: lifecycle::Lifecycle::default(),
         templates: !args.no_templates,
+        pool: pool::Pool::new(&data_dir, usize::from(args.ready_workers)),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -369,6 +378,11 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     rt.block_on(async move {
         if let Err(e) = app.adopt_all().await {
             tracing::error!("re-adopting workers: {}", e.message);
+        }
+        {
+            let a = app.clone();
+            let _ =
+                tokio::task::spawn_blocking(move || a.pool.sweep_leftovers(&a.supervisor)).await;
         }
         if let Err(e) = app.recover_templates().await {
             tracing::error!("recovering template builds: {}", e.message);
@@ -381,6 +395,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         let addr = listener
             .local_addr()
             .map_err(|e| DaemonError::Listen(args.listen, e))?;
+        let stop = shutdown();
         match &app.host.reason {
             None if app.host.lab => tracing::info!("{}", lab::EMULATED_NOTE),
             None => tracing::info!("this host's KVM runs Linux guests"),
@@ -397,10 +412,13 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             print_banner(&format!("http://{addr}"), None);
         }
         let in_lab = app.host.lab;
+        let keep = app.clone();
         axum::serve(listener, routes::router(app, &args.exec_limits))
-            .with_graceful_shutdown(shutdown())
+            .with_graceful_shutdown(stop)
             .await
             .map_err(DaemonError::Serve)?;
+        // Ready workers hold no sandbox: they go with this sproutd.
+        let _ = tokio::task::spawn_blocking(move || keep.pool.stop_all()).await;
         if in_lab {
             tracing::info!("stopped; the lab powers off, and its sandboxes' VMs with it");
         } else {
@@ -410,17 +428,25 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     })
 }
 
-async fn shutdown() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+/// Waits for SIGINT or SIGTERM. Made (and the handlers installed) before
+/// the listening line is printed: a signal sent as soon as a caller reads
+/// that line stops sproutd gracefully, never by the default action.
+fn shutdown() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let int = signal(SignalKind::interrupt());
+    let term = signal(SignalKind::terminate());
+    async move {
+        let wait = |s: std::io::Result<tokio::signal::unix::Signal>| async move {
+            match s {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending().await,
             }
-            Err(_) => std::future::pending().await,
+        };
+        tokio::select! {
+            _ = wait(int) => {}
+            _ = wait(term) => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
     }
 }

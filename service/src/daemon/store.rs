@@ -22,6 +22,7 @@ use sprout_worker::protocol::{Backend, Request, Response, RestoreSpec, Shape};
 use uuid::Uuid;
 
 use super::error::chain;
+use super::pool::{move_in, Ready};
 use super::registry::Sandbox;
 use super::supervisor::{
     give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, VM_SUBDIR, WORKER_LOG,
@@ -105,6 +106,7 @@ impl Supervisor {
         dirs: &[PathBuf],
         read_only: &[PathBuf],
         instance_id: u64,
+        ready: Option<Ready>,
     ) -> Result<Booted, BootError> {
         let top = dirs
             .last()
@@ -121,18 +123,24 @@ impl Supervisor {
             vcpus: s.cpus,
             mem_mib: u64::from(s.memory_mb),
         };
-        let mut worker = self
-            .cmd
-            .clone()
-            .log_to(&log)
-            .spawn(&sock, Some(shape), Some(&console))
-            .map_err(|e| {
-                BootError::Failed(format!(
-                    "Cannot start a worker: {}{}",
-                    chain(&e),
-                    self.worker_log_tail(s.id)
-                ))
-            })?;
+        let (mut worker, ready_dir) = match ready {
+            Some(Ready { worker, dir }) => (worker, Some(dir)),
+            None => {
+                let w = self
+                    .cmd
+                    .clone()
+                    .log_to(&log)
+                    .spawn(&sock, Some(shape), Some(&console))
+                    .map_err(|e| {
+                        BootError::Failed(format!(
+                            "Cannot start a worker: {}{}",
+                            chain(&e),
+                            self.worker_log_tail(s.id)
+                        ))
+                    })?;
+                (w, None)
+            }
+        };
         let exposed = match &worker.jail {
             None => Ok(()),
             Some(j) => std::iter::once((rw.as_path(), false))
@@ -161,6 +169,26 @@ impl Supervisor {
                 )
             })
         });
+        // A ready worker's socket, console and log move into the
+        // sandbox's directory (its disk top is made by now).
+        let restored = match (restored, &ready_dir) {
+            (Ok(d), Some(rd)) => {
+                let r = Ready {
+                    worker,
+                    dir: rd.clone(),
+                };
+                let moved = move_in(&r, &dir);
+                worker = r.worker;
+                match moved {
+                    Ok(sock) => {
+                        worker.socket = sock;
+                        Ok(d)
+                    }
+                    Err(e) => Err(format!("Cannot move a ready worker in: {e}")),
+                }
+            }
+            (r, _) => r,
+        };
         match restored {
             Ok(d) => Ok(Booted {
                 vsock: d.vsock_uds,
@@ -173,7 +201,15 @@ impl Supervisor {
                 if let Err(w) = worker.wait() {
                     tracing::warn!(vm = %s.id, "after a failed restore: {w}");
                 }
-                Err(BootError::Failed(format!("{e}{}", self.tails(s.id))))
+                let tails = match &ready_dir {
+                    Some(rd) => {
+                        let t = self.tails_in(rd);
+                        let _ = std::fs::remove_dir_all(rd);
+                        t
+                    }
+                    None => self.tails(s.id),
+                };
+                Err(BootError::Failed(format!("{e}{tails}")))
             }
         }
     }

@@ -307,7 +307,11 @@ impl Supervisor {
     /// The ends of the sandbox's console and worker log, as a suffix of a
     /// failure reason.
     pub(super) fn tails(&self, id: Uuid) -> String {
-        let dir = self.vm_dir(id);
+        self.tails_in(&self.vm_dir(id))
+    }
+
+    /// [`tails`](Self::tails) of the console and log in `dir`.
+    pub(super) fn tails_in(&self, dir: &Path) -> String {
         format!(
             "{}{}",
             console_tail(&dir.join(CONSOLE_LOG)),
@@ -328,6 +332,14 @@ impl Supervisor {
         };
         let inner = Path::new("root").join(CONTROL_SOCKET.trim_start_matches('/'));
         (comps.as_path() == inner).then(|| Jail::open(base.join(id)))
+    }
+
+    /// Removes the jail the control socket (link) `sock` leads into, if any.
+    pub fn remove_jail_of(&self, sock: &Path) -> Result<(), String> {
+        match self.jail_of(sock) {
+            Some(j) => j.remove().map_err(|e| chain(&e)),
+            None => Ok(()),
+        }
     }
 
     /// Stops the sandbox's worker (if any still answers) and waits for it to

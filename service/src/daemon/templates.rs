@@ -126,6 +126,14 @@ impl App {
         let (state, snap, why) = match r {
             Ok(s) => {
                 tracing::info!(image = %name, cpus, memory_mb, "template ready in {took} ms");
+                // Its creates restore into ready workers of its shape.
+                super::pool::refill_later(
+                    &self,
+                    sprout_worker::protocol::Shape {
+                        vcpus: cpus,
+                        mem_mib: u64::from(memory_mb),
+                    },
+                );
                 (TemplateState::Ready, Some(s.id), None)
             }
             Err(e) => {
