@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 use super::error::{chain, ApiError, Code};
 use super::exec_limits::{ExecLimits, ExecSlot};
 use super::openapi::errors;
-use super::registry::{Sandbox, State as VmState};
+use super::registry::Sandbox;
 use super::routes::{check_env, ApiJson};
 use super::supervisor::describe;
 use super::App;
@@ -479,16 +479,19 @@ pub async fn failure(app: &Arc<App>, s: &Sandbox, e: &ClientError) -> ApiError {
     .await
     .ok()
     .flatten();
-    let Some(why) = why else { return err };
+    let (Some(why), Some(pid)) = (why, s.pid) else {
+        return err;
+    };
     let (id, reason) = (s.id, why.clone());
+    // Only if it still runs on that worker: a hibernate, reboot or
+    // checkpoint restore that stopped or replaced it cut this call off.
+    match app.db(move |r| r.fail_worker(id, pid, &reason)).await {
+        Ok(true) => {}
+        Ok(false) => return err,
+        Err(e) => return e,
+    }
     tracing::warn!(vm = %id, "marked failed: {why}");
     super::lock(&app.agents).remove(&id);
-    if let Err(e) = app
-        .db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))
-        .await
-    {
-        return e;
-    }
     ApiError::new(
         Code::AgentUnavailable,
         format!("Sandbox {id} has failed: {why}"),

@@ -349,11 +349,17 @@ impl App {
             created_ms: now_ms(),
         };
         let (row, vm, rest) = (snap.clone(), s.id, s.rest_snapshot_id);
-        self.db(move |r| {
-            r.insert_snapshot(&row)?;
-            r.set_snapshots(vm, Some(row.id), rest)
-        })
-        .await?;
+        let recorded = self
+            .db(move |r| {
+                r.insert_snapshot(&row)?;
+                r.set_snapshots(vm, Some(row.id), rest)
+            })
+            .await;
+        if let Err(e) = recorded {
+            // Not recorded: not kept.
+            self.supervisor.remove_snapshot(&snap.dir);
+            return Err(e);
+        }
         self.metrics.snapshot.observe(t.elapsed());
         tracing::info!(
             vm = %s.id, snapshot = %id, kind = kind.as_str(), diff,
@@ -416,11 +422,19 @@ impl App {
     /// snapshot, record, then free its worker. `idle`: the sweeper's, which
     /// gives up rather than wait for the lock or sleep a busy sandbox.
     pub async fn suspend(self: &Arc<Self>, id: Uuid, to: State) -> Result<Sandbox, ApiError> {
-        let (_g, s) = self.locked(id).await?;
-        self.suspend_locked(s, to).await
+        let (g, s) = self.locked(id).await?;
+        self.suspend_locked(g, s, to).await
     }
 
-    async fn suspend_locked(self: &Arc<Self>, s: Sandbox, to: State) -> Result<Sandbox, ApiError> {
+    /// [`suspend`](Self::suspend) with the sandbox's lock `g` held: answers
+    /// once the sandbox is recorded asleep (or hibernated); its worker is
+    /// stopped after that, still under the lock, so a wake waits for it.
+    async fn suspend_locked(
+        self: &Arc<Self>,
+        g: tokio::sync::OwnedRwLockWriteGuard<()>,
+        s: Sandbox,
+        to: State,
+    ) -> Result<Sandbox, ApiError> {
         let id = s.id;
         let ok = match to {
             State::Sleeping => s.state == State::Running,
@@ -460,10 +474,15 @@ impl App {
             r.set_state(id, to, None)
         })
         .await?;
-        self.free_worker(&s).await;
-        self.collect_garbage().await;
         tracing::info!(vm = %id, "{}", to.as_str());
-        self.get(id).await
+        let answer = self.get(id).await;
+        let app = self.clone();
+        tokio::spawn(async move {
+            let _g = g;
+            app.free_worker(&s).await;
+            app.collect_garbage().await;
+        });
+        answer
     }
 
     /// Stops the sandbox's worker, keeping its directory.
@@ -568,9 +587,8 @@ impl App {
         let (a, row) = (self.clone(), s.clone());
         let booted = self
             .blocking(move || {
-                let ready = a.pool.take(shape);
                 a.supervisor
-                    .restore(&row, &chain, &image, iid, ready)
+                    .restore(&row, &chain, &image, iid, Some(&a.pool))
                     .map_err(restore_failed)
             })
             .await;
@@ -786,15 +804,32 @@ impl App {
         ) {
             return Err(invalid(&s, "restore a checkpoint"));
         }
+        // The checkpoint, looked at again now that the sandbox is ours (a
+        // delete may have dropped it meanwhile), and made the sandbox's in
+        // the same write, so that nothing collects it from here on.
+        let taken = self
+            .db(move |r| {
+                let ok = r
+                    .get_snapshot(cp)?
+                    .is_some_and(|c| c.kind == SnapshotKind::Checkpoint && c.vm_id == Some(vm));
+                if ok {
+                    r.set_snapshots(vm, Some(cp), None)?;
+                }
+                Ok(ok)
+            })
+            .await?;
+        if !taken {
+            return Err(ApiError::new(
+                Code::CheckpointNotFound,
+                format!("No checkpoint has the id \"{cp}\" (it was deleted)"),
+            ));
+        }
         if s.state.has_worker() {
             self.db(move |r| r.set_worker_opt(vm, None)).await?;
             self.free_worker(&s).await;
         }
-        self.db(move |r| {
-            r.set_snapshots(vm, Some(cp), None)?;
-            r.set_state(vm, State::Starting, None)
-        })
-        .await?;
+        self.db(move |r| r.set_state(vm, State::Starting, None))
+            .await?;
         let s2 = self.get(vm).await?;
         if let Err(e) = self.restore_into(&s2, cp, s.hostname.clone()).await {
             let why = format!("Cannot restore the checkpoint: {}", e.message);
@@ -872,6 +907,45 @@ impl App {
         }
         self.metrics.fork.observe(t.elapsed());
         Ok((snap, out))
+    }
+
+    /// At start: removes snapshot directories the registry has no record
+    /// of (a write cut short by a crash, a collection whose records went
+    /// but whose files did not).
+    pub async fn sweep_orphan_snapshots(self: &Arc<Self>) {
+        let known = match self.db(|r| r.list_snapshots()).await {
+            Ok(all) => all
+                .into_iter()
+                .filter_map(|s| {
+                    s.dir
+                        .parent()
+                        .and_then(|p| p.file_name())
+                        .map(|n| n.to_owned())
+                })
+                .collect::<std::collections::HashSet<_>>(),
+            Err(e) => {
+                tracing::warn!("cannot list snapshots: {}", e.message);
+                return;
+            }
+        };
+        let dir = self.supervisor.snapshots_dir().to_owned();
+        let a = self.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let Ok(rd) = std::fs::read_dir(&dir) else {
+                return;
+            };
+            for e in rd.flatten() {
+                if !known.contains(&e.file_name()) {
+                    tracing::info!(
+                        "removing {}: no snapshot of the registry's",
+                        e.path().display()
+                    );
+                    a.supervisor
+                        .remove_snapshot(&e.path().join(super::store::SNAPSHOT_SUBDIR));
+                }
+            }
+        })
+        .await;
     }
 
     /// Removes the snapshots nothing needs any more (see
@@ -965,7 +1039,6 @@ pub fn sweeper(app: &Arc<App>) {
                 let a = app.clone();
                 // Its own task, so a slow snapshot holds up no other sandbox.
                 tokio::spawn(async move {
-                    let _g = g;
                     let Ok(Some(s)) = a.db(move |r| r.get_sandbox(id)).await else {
                         return;
                     };
@@ -974,7 +1047,7 @@ pub fn sweeper(app: &Arc<App>) {
                         return;
                     }
                     tracing::info!(vm = %id, "idle for {} s: sleeping", idle.as_secs());
-                    if let Err(e) = a.suspend_locked(s, State::Sleeping).await {
+                    if let Err(e) = a.suspend_locked(g, s, State::Sleeping).await {
                         tracing::warn!(vm = %id, "idle sleep failed: {}", e.message);
                         a.lifecycle.touch(id);
                     }

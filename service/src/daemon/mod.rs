@@ -387,6 +387,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         if let Err(e) = app.recover_templates().await {
             tracing::error!("recovering template builds: {}", e.message);
         }
+        app.sweep_orphan_snapshots().await;
         app.collect_garbage().await;
         lifecycle::sweeper(&app);
         let listener = tokio::net::TcpListener::bind(args.listen)

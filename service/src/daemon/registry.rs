@@ -658,6 +658,18 @@ impl Registry {
         Ok(n == 1)
     }
 
+    /// Marks a sandbox failed only while it is still `running` or `paused`
+    /// with worker `pid` (a transition that replaced or stopped its worker
+    /// meanwhile is not a failure); whether it did.
+    pub fn fail_worker(&self, id: Uuid, pid: u32, reason: &str) -> Result<bool, RegistryError> {
+        let n = self.conn.execute(
+            "UPDATE sandboxes SET state = 'failed', failure_reason = ?3
+             WHERE id = ?1 AND pid = ?2 AND state IN ('running', 'paused')",
+            params![id.to_string(), pid, reason],
+        )?;
+        Ok(n == 1)
+    }
+
     pub fn get_sandbox(&self, id: Uuid) -> Result<Option<Sandbox>, RegistryError> {
         self.conn
             .query_row(

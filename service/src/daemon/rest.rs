@@ -585,7 +585,12 @@ pub async fn spawn_checkpoint(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<VmView>), ApiError> {
     let cp = snapshot_row(&app, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
-    let s = from_snapshot(&app, &cp, None, Default::default()).await?;
+    let s = from_snapshot(&app, &cp, None, Default::default())
+        .await
+        .map_err(|e| match e.code {
+            Code::SnapshotNotFound => ApiError::new(Code::CheckpointNotFound, e.message),
+            _ => e,
+        })?;
     Ok((StatusCode::CREATED, Json(s.into())))
 }
 
@@ -636,8 +641,26 @@ pub async fn from_snapshot(
         rest_snapshot_id: None,
         hostname: None,
     };
+    // Recorded only while the snapshot still is, in one write: from then on
+    // the sandbox keeps it.
     let row = s.clone();
-    app.db(move |r| r.insert_sandbox(&row)).await?;
+    let recorded = app
+        .db(move |r| {
+            let there = r
+                .get_snapshot(row.snapshot_id.unwrap_or_default())?
+                .is_some();
+            if there {
+                r.insert_sandbox(&row)?;
+            }
+            Ok(there)
+        })
+        .await?;
+    if !recorded {
+        return Err(ApiError::new(
+            Code::SnapshotNotFound,
+            format!("No snapshot has the id \"{}\" (it was deleted)", snap.id),
+        ));
+    }
     tracing::info!(vm = %s.id, snapshot = %snap.id, "scheduling from a snapshot");
     let (a, sid) = (app.clone(), snap.id);
     detached(async move { a.start_from_snapshot(s, sid).await }).await

@@ -22,7 +22,7 @@ use sprout_worker::protocol::{Backend, Request, Response, RestoreSpec, Shape};
 use uuid::Uuid;
 
 use super::error::chain;
-use super::pool::{move_in, Ready};
+use super::pool::{move_in, Pool, Ready};
 use super::registry::Sandbox;
 use super::supervisor::{
     give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, VM_SUBDIR, WORKER_LOG,
@@ -106,7 +106,7 @@ impl Supervisor {
         dirs: &[PathBuf],
         read_only: &[PathBuf],
         instance_id: u64,
-        ready: Option<Ready>,
+        pool: Option<&Pool>,
     ) -> Result<Booted, BootError> {
         let top = dirs
             .last()
@@ -123,6 +123,8 @@ impl Supervisor {
             vcpus: s.cpus,
             mem_mib: u64::from(s.memory_mb),
         };
+        // Taken only now: nothing above can fail with it in hand.
+        let ready = pool.and_then(|p| p.take(shape));
         let (mut worker, ready_dir) = match ready {
             Some(Ready { worker, dir }) => (worker, Some(dir)),
             None => {

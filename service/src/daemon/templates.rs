@@ -117,14 +117,17 @@ impl App {
         }
     }
 
-    /// Builds a template and records how it went.
+    /// Builds a template and records how it went (a ready one is recorded
+    /// by the build, with its snapshot, in one write).
     async fn build(self: Arc<Self>, image: Image, cpus: u8, memory_mb: u32, build_id: Uuid) {
         let t = Instant::now();
-        let r = self.build_template(&image, cpus, memory_mb, build_id).await;
+        let r = self
+            .build_template(&image, cpus, memory_mb, build_id, t)
+            .await;
         let took = t.elapsed().as_millis() as u64;
         let name = image.name.clone();
-        let (state, snap, why) = match r {
-            Ok(s) => {
+        match r {
+            Ok(_) => {
                 tracing::info!(image = %name, cpus, memory_mb, "template ready in {took} ms");
                 // Its creates restore into ready workers of its shape.
                 super::pool::refill_later(
@@ -134,28 +137,30 @@ impl App {
                         mem_mib: u64::from(memory_mb),
                     },
                 );
-                (TemplateState::Ready, Some(s.id), None)
             }
             Err(e) => {
                 tracing::warn!(image = %name, cpus, memory_mb, "template build failed: {}", e.message);
-                (TemplateState::Failed, None, Some(e.message))
+                let why = e.message;
+                let r = self
+                    .db(move |r| {
+                        r.put_template(&TemplateRow {
+                            image: name,
+                            cpus,
+                            memory_mb,
+                            state: TemplateState::Failed,
+                            snapshot_id: None,
+                            failure_reason: Some(why),
+                            build_id: None,
+                            build_ms: None,
+                            updated_ms: now_ms(),
+                        })
+                    })
+                    .await;
+                if let Err(e) = r {
+                    tracing::error!("recording a failed template build: {}", e.message);
+                }
             }
-        };
-        let _ = self
-            .db(move |r| {
-                r.put_template(&TemplateRow {
-                    image: name,
-                    cpus,
-                    memory_mb,
-                    state,
-                    snapshot_id: snap,
-                    failure_reason: why,
-                    build_id: None,
-                    build_ms: (state == TemplateState::Ready).then_some(took),
-                    updated_ms: now_ms(),
-                })
-            })
-            .await;
+        }
         self.collect_garbage().await;
     }
 
@@ -165,6 +170,7 @@ impl App {
         cpus: u8,
         memory_mb: u32,
         build_id: Uuid,
+        started: Instant,
     ) -> Result<SnapshotRow, ApiError> {
         // Not a sandbox: never in the registry, its directory removed after.
         let mut s = Sandbox {
@@ -195,7 +201,16 @@ impl App {
             .map_err(|e| match e {
                 BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
                 BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
-            })?;
+            });
+        let booted = match booted {
+            Ok(b) => b,
+            Err(e) => {
+                // Its directory (the copy of the disk template) goes too.
+                let (a, row) = (self.clone(), s.clone());
+                let _ = tokio::task::spawn_blocking(move || a.supervisor.stop(&row, None)).await;
+                return Err(e);
+            }
+        };
         s.worker_socket = Some(booted.worker.socket.clone());
         s.vsock_socket = booted.vsock.clone();
         s.pid = Some(booted.worker.pid());
@@ -237,8 +252,30 @@ impl App {
                 size_bytes: w.size_bytes,
                 created_ms: now_ms(),
             };
+            // The snapshot and the ready template in one write: garbage
+            // collection never sees the one without the other.
             let row = snap.clone();
-            self.db(move |r| r.insert_snapshot(&row)).await?;
+            let took = started.elapsed().as_millis() as u64;
+            let recorded = self
+                .db(move |r| {
+                    r.insert_snapshot(&row)?;
+                    r.put_template(&TemplateRow {
+                        image: row.image.clone(),
+                        cpus,
+                        memory_mb,
+                        state: TemplateState::Ready,
+                        snapshot_id: Some(row.id),
+                        failure_reason: None,
+                        build_id: None,
+                        build_ms: Some(took),
+                        updated_ms: now_ms(),
+                    })
+                })
+                .await;
+            if let Err(e) = recorded {
+                self.supervisor.remove_snapshot(&snap.dir);
+                return Err(e);
+            }
             Ok(snap)
         }
         .await;

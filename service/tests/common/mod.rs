@@ -129,13 +129,25 @@ pub async fn raw_post(c: &Client, d: &Daemon, path: &str, body: &'static str) ->
 /// side of the sandbox's vsock socket.
 pub fn vsock_echo(uds: &Path, msg: &[u8]) -> Vec<u8> {
     use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(uds)
-        .unwrap_or_else(|e| panic!("connect {}: {e}", uds.display()));
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    s.write_all(b"CONNECT 1234\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(&mut s).read_line(&mut line).unwrap();
-    assert!(line.starts_with("OK "), "vsock handshake answer {line:?}");
+    // A freshly booted test guest may not listen yet: a refused handshake
+    // (the device closes the stream) is tried again, for a while.
+    let t = std::time::Instant::now();
+    let mut s = loop {
+        let mut s = std::os::unix::net::UnixStream::connect(uds)
+            .unwrap_or_else(|e| panic!("connect {}: {e}", uds.display()));
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"CONNECT 1234\n").unwrap();
+        let mut line = String::new();
+        BufReader::new(&mut s).read_line(&mut line).unwrap();
+        if line.starts_with("OK ") {
+            break s;
+        }
+        assert!(
+            line.is_empty() && t.elapsed() < Duration::from_secs(30),
+            "vsock handshake answer {line:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
     s.write_all(msg).unwrap();
     let mut got = vec![0u8; msg.len()];
     s.read_exact(&mut got).unwrap();
