@@ -585,6 +585,7 @@ impl App {
             mem_mib: u64::from(s.memory_mb),
         };
         let (a, row) = (self.clone(), s.clone());
+        let t = Instant::now();
         let booted = self
             .blocking(move || {
                 a.supervisor
@@ -592,6 +593,7 @@ impl App {
                     .map_err(restore_failed)
             })
             .await;
+        tracing::debug!(vm = %s.id, "restored into a worker in {} ms", t.elapsed().as_millis());
         super::pool::refill_later(self, shape);
         let booted = booted?;
         self.adopt_booted(s, booted, Some((iid, hostname))).await
@@ -660,10 +662,13 @@ impl App {
         let agent = self
             .agent(s)
             .ok_or_else(|| ApiError::new(Code::AgentUnavailable, "The VM has no vsock device"))?;
-        self.supervisor
+        let t = Instant::now();
+        let waited = self
+            .supervisor
             .wait_agent(&agent, s.id, sock)
             .await
             .map_err(boot_failed)?;
+        let answered = t.elapsed();
         if let Some((iid, hostname)) = identity {
             let hostname = hostname.unwrap_or_else(|| hostname_for(s.id));
             let mut ident =
@@ -687,6 +692,12 @@ impl App {
             let id = s.id;
             self.db(move |r| r.set_hostname(id, &hostname)).await?;
         }
+        tracing::debug!(
+            vm = %s.id,
+            "agent answered in {} ms, re-identified {} ms later",
+            waited.as_millis(),
+            (t.elapsed() - answered).as_millis()
+        );
         Ok(())
     }
 
