@@ -721,3 +721,34 @@ async fn ready_workers_are_taken_by_restores_and_a_killed_sproutds_are_stopped()
     answers(&d, &b, "re-adopted too");
     d.stop();
 }
+
+/// A fork of 12 (more than restore at once): every child runs, answers on
+/// its own vsock, and has its own worker.
+#[tokio::test]
+async fn a_fork_of_twelve_starts_every_child() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start(&dir);
+    let (id, _) = schedule_testguest(&c, &d).await;
+    let v = op(&c, &d, &id, "fork", json!({"count": 12})).await;
+    let forks = v["forks"].as_array().unwrap();
+    assert_eq!(forks.len(), 12, "{v}");
+    let mut pids = std::collections::BTreeSet::new();
+    for f in forks {
+        assert_eq!(f["state"], "running", "{f}");
+        let k = f["vmId"].as_str().unwrap();
+        answers(&d, k, "one of twelve");
+        pids.insert(pid(&vm(&c, &d, k).await));
+    }
+    assert_eq!(pids.len(), 12);
+    for f in forks {
+        let k = f["vmId"].as_str().unwrap();
+        let r = c
+            .delete(d.url(&format!("/v1/runtime/vms/{k}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    d.stop();
+}

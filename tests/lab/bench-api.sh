@@ -37,12 +37,22 @@ say "1/2: in the lab, $runs runs a row"
 cat >"$tmp/script.sh" <<EOS
 ip link set lo up
 sprout daemon --no-lab --listen 127.0.0.1:7070 --data-dir /tmp/sd >/tmp/sd.out 2>/tmp/sd.log &
+daemon_pid=\$!
 i=0
 until sprout api GET /v1/health >/dev/null 2>&1; do
   i=\$((i+1)); [ \$i -gt 600 ] && { cat /tmp/sd.log; exit 10; }
   sleep 0.1
 done
-/lab/report api http://127.0.0.1:7070 --data-dir /tmp/sd $runs --json || { tail -n 30 /tmp/sd.log; exit 11; }
+/lab/report api http://127.0.0.1:7070 --data-dir /tmp/sd --label "ready workers" $runs --json || { tail -n 30 /tmp/sd.log; exit 11; }
+kill -INT \$daemon_pid 2>/dev/null; wait \$daemon_pid 2>/dev/null
+# The same with no ready workers: each restore starts its worker process.
+sprout daemon --no-lab --listen 127.0.0.1:7071 --data-dir /tmp/sd0 --ready-workers 0 >/tmp/sd0.out 2>/tmp/sd0.log &
+i=0
+until sprout api --addr 127.0.0.1:7071 GET /v1/health >/dev/null 2>&1; do
+  i=\$((i+1)); [ \$i -gt 600 ] && { cat /tmp/sd0.log; exit 12; }
+  sleep 0.1
+done
+/lab/report api http://127.0.0.1:7071 --data-dir /tmp/sd0 --label "no ready workers" $runs --json || { tail -n 30 /tmp/sd0.log; exit 13; }
 EOS
 SPROUT_LAB=$lab "$here/run.sh" --timeout 3600 "$tmp/script.sh" "$tmp/report"
 
@@ -60,7 +70,7 @@ until grep -q '^sproutd listening on ' "$tmp/sproutd.out"; do
   sleep 0.2
 done
 url=$(sed -n 's/^sproutd listening on //p' "$tmp/sproutd.out")
-"$target/release/report" api "$url" "$runs" --json
+"$target/release/report" api "$url" --label "from this host" "$runs" --json
 kill -INT "$daemon"
 wait "$daemon" || true
 daemon=

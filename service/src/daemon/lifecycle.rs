@@ -37,6 +37,8 @@ use super::{lock, now_ms, App};
 
 /// How often the idle sweeper looks.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Most fork children restored at once.
+const FORK_PARALLEL: usize = 8;
 /// How long a `sync` in the guest may take before a reboot goes on without.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -898,23 +900,35 @@ impl App {
                 .await?;
             (snap, kids)
         };
+        // At most FORK_PARALLEL restores at once: a fork(100) starts its
+        // children in waves rather than 100 worker processes together.
+        let wave = Arc::new(tokio::sync::Semaphore::new(FORK_PARALLEL));
         let tasks: Vec<_> = kids
             .into_iter()
             .map(|k| {
-                let app = self.clone();
-                let sid = snap.id;
-                tokio::spawn(async move {
-                    let kid = k.id;
+                let (app, sid, wave) = (self.clone(), snap.id, wave.clone());
+                let kid = k.id;
+                let task = tokio::spawn(async move {
+                    let _turn = wave.acquire_owned().await;
                     app.start_from_snapshot(k, sid).await.map_err(|e| (kid, e))
-                })
+                });
+                (kid, task)
             })
             .collect();
         let mut out = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            out.push(
-                t.await
-                    .unwrap_or_else(|e| Err((Uuid::nil(), ApiError::internal(e.to_string())))),
-            );
+        for (kid, t) in tasks {
+            let r = match t.await {
+                Ok(r) => r,
+                Err(e) => {
+                    let why = format!("Its start failed: {e}");
+                    let w = why.clone();
+                    let _ = self
+                        .db(move |r| r.set_state(kid, State::Failed, Some(&w)))
+                        .await;
+                    Err((kid, ApiError::internal(why)))
+                }
+            };
+            out.push(r);
         }
         self.metrics.fork.observe(t.elapsed());
         Ok((snap, out))

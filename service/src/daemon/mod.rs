@@ -201,6 +201,21 @@ impl App {
     /// `failed`; one being deleted is deleted.
     async fn adopt_all(self: &Arc<Self>) -> Result<(), ApiError> {
         let all = self.db(|r| r.list_sandboxes()).await?;
+        // A wake cut short by a stop of sproutd: the sandbox is still asleep
+        // (its snapshot intact), and the worker its wake started is not its.
+        for s in all
+            .iter()
+            .filter(|s| matches!(s.state, State::Sleeping | State::Hibernated) && s.pid.is_some())
+        {
+            let (id, app, row) = (s.id, self.clone(), s.clone());
+            let r =
+                tokio::task::spawn_blocking(move || app.supervisor.stop_worker(&row, None)).await;
+            if let Ok(Err(e)) = r {
+                tracing::warn!(vm = %id, "stopping the worker of a wake cut short: {e}");
+            }
+            self.db(move |r| r.set_worker_opt(id, None)).await?;
+            tracing::info!(vm = %id, "a wake was cut short: still {}", s.state.as_str());
+        }
         for s in all.into_iter().filter(|s| s.state.has_worker()) {
             let id = s.id;
             if s.state == State::Stopping {

@@ -1,4 +1,5 @@
-//! `report api URL [--data-dir DIR] [--image NAME] [RUNS]`: sproutd's API
+//! `report api URL [--data-dir DIR] [--image NAME] [--label TEXT] [RUNS]`:
+//! sproutd's API
 //! against a running sproutd, with the library's figure for the same work
 //! beside it, measured in the same run on the same sandbox.
 //!
@@ -8,8 +9,13 @@
 //!   guest agent's own client on the sandbox's vsock socket (the library: what
 //!   an embedder gets), when `--data-dir` names sproutd's data directory on
 //!   this machine (the socket is found beneath it);
-//! - create to first exec: `POST /schedule` then an exec of `true`
-//!   (RUNS / 10 of them, at least 3: each boots a guest).
+//! - rest states, RUNS / 10 of each (at least 3): pause and resume through
+//!   the API, and through the worker's control socket (the library's
+//!   transport) on the same sandbox when `--data-dir` is given; a snapshot;
+//!   a sleep, and the wake its next exec makes (to that exec's answer);
+//!   fork(1) and fork(4) to every child answering an exec;
+//! - create to first exec: `POST /schedule` then an exec of `true`, restored
+//!   from the image's template (built by a first create, not measured).
 //!
 //! On hosts without hardware virtualization sproutd and this run in the
 //! emulated lab (tests/lab/bench-api.sh): those figures are emulated.
@@ -22,7 +28,10 @@ use guest_agent::client::{Client as Agent, ClientConfig, Endpoint};
 use guest_agent::protocol::{Exec, DEFAULT_VSOCK_PORT};
 use serde_json::{json, Value};
 
-use super::row;
+/// A row whose name carries `label`.
+fn row(label: &str, name: &str, v: Vec<Duration>) {
+    super::row(&format!("{label}{name}"), v);
+}
 
 struct Api {
     http: reqwest::blocking::Client,
@@ -56,12 +65,79 @@ impl Api {
         Ok(())
     }
 
+    /// A create; while the template is built (`503 template_building`),
+    /// retried after the `Retry-After` it says.
     fn create(&self, image: &str) -> anyhow::Result<String> {
-        let v = self.post(
-            "/v1/runtime/schedule",
-            json!({"image": image, "cpus": 1, "memoryMb": 256, "metadata": {"bench": "api"}}),
-        )?;
-        Ok(v["vmId"].as_str().context("no vmId")?.to_owned())
+        let body =
+            json!({"image": image, "cpus": 1, "memoryMb": 256, "metadata": {"bench": "api"}});
+        let t = Instant::now();
+        loop {
+            let r = self
+                .http
+                .post(format!("{}/v1/runtime/schedule", self.base))
+                .json(&body)
+                .send()
+                .context("POST /schedule")?;
+            let status = r.status();
+            let retry = r
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let v: Value = r.json().context("POST /schedule: not JSON")?;
+            if status == 503 && v["error"]["code"] == "template_building" {
+                if t.elapsed() > Duration::from_secs(900) {
+                    bail!("the template of {image} is not built after 15 minutes: {v}");
+                }
+                std::thread::sleep(Duration::from_secs(retry.unwrap_or(1).min(10)));
+                continue;
+            }
+            if !status.is_success() {
+                bail!("POST /schedule: {status}: {v}");
+            }
+            return Ok(v["vmId"].as_str().context("no vmId")?.to_owned());
+        }
+    }
+
+    fn rest(&self, id: &str, what: &str, body: Value) -> anyhow::Result<Value> {
+        self.post(&format!("/v1/runtime/vms/{id}/{what}"), body)
+    }
+
+    fn delete_snapshot(&self, id: &str) -> anyhow::Result<()> {
+        let r = self
+            .http
+            .delete(format!("{}/v1/runtime/snapshots/{id}", self.base))
+            .send()?;
+        if !r.status().is_success() {
+            bail!("DELETE snapshot {id}: {}", r.status());
+        }
+        Ok(())
+    }
+
+    /// fork(`n`) of `id` to every child answering an exec; the children
+    /// and the fork's snapshot deleted after.
+    fn fork(&self, id: &str, n: usize) -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        let v = self.rest(id, "fork", json!({"count": n}))?;
+        let kids: Vec<String> = v["forks"]
+            .as_array()
+            .context("no forks")?
+            .iter()
+            .map(|k| match (&k["state"], k["vmId"].as_str()) {
+                (s, Some(id)) if s == "running" => Ok(id.to_owned()),
+                _ => Err(anyhow::anyhow!("a fork child failed: {k}")),
+            })
+            .collect::<anyhow::Result<_>>()?;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = kids.iter().map(|k| s.spawn(|| self.exec_true(k))).collect();
+            hs.into_iter()
+                .try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("panicked"))?)
+        })?;
+        let took = t.elapsed();
+        for k in &kids {
+            self.delete(k)?;
+        }
+        self.delete_snapshot(v["snapshotId"].as_str().context("no snapshotId")?)?;
+        Ok(took)
     }
 
     fn delete(&self, id: &str) -> anyhow::Result<()> {
@@ -100,11 +176,14 @@ pub fn run(args: &[String], runs: usize) -> anyhow::Result<()> {
     let mut url = None;
     let mut data_dir = None;
     let mut image = "default".to_owned();
+    // Prefixes every row's name (two sproutds measured in one run).
+    let mut label = String::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--data-dir" => data_dir = Some(PathBuf::from(it.next().context("--data-dir DIR")?)),
             "--image" => image = it.next().context("--image NAME")?.clone(),
+            "--label" => label = format!("[{}] ", it.next().context("--label TEXT")?),
             u if u.starts_with("http://") => url = Some(u.trim_end_matches('/').to_owned()),
             other => bail!("report api: unknown argument {other:?}"),
         }
@@ -156,22 +235,26 @@ pub fn run(args: &[String], runs: usize) -> anyhow::Result<()> {
             lib.push(t.elapsed());
         }
     }
-    api.delete(&id)?;
-    row("api: GET /v1/health (a no-op request)", health);
+    row(&label, "api: GET /v1/health (a no-op request)", health);
     row(
+        &label,
         "api: exec `true`, buffered (HTTP to sproutd to the agent)",
         exec,
     );
     if !lib.is_empty() {
         row(
+            &label,
             "library: exec `true` through the agent client, same sandbox",
             lib,
         );
     }
 
-    let creates = (runs / 10).max(3);
-    let mut first = Vec::with_capacity(creates);
-    for _ in 0..creates {
+    let n = (runs / 10).max(3);
+    rest_rows(&api, &id, data_dir.as_deref(), n, &label)?;
+    api.delete(&id)?;
+
+    let mut first = Vec::with_capacity(n);
+    for _ in 0..n {
         let t = Instant::now();
         let id = api.create(&image)?;
         api.exec_true(&id)?;
@@ -179,9 +262,112 @@ pub fn run(args: &[String], runs: usize) -> anyhow::Result<()> {
         api.delete(&id)?;
     }
     row(
-        &format!("api: create ({image}, 1 vCPU, 256 MiB; a cold boot) to first exec answered"),
+        &label,
+        &format!(
+            "api: create ({image}, 1 vCPU, 256 MiB; from its template) to first exec answered"
+        ),
         first,
     );
+    Ok(())
+}
+
+/// The rest-state rows, `n` runs each, on sandbox `id`.
+fn rest_rows(
+    api: &Api,
+    id: &str,
+    data_dir: Option<&Path>,
+    n: usize,
+    label: &str,
+) -> anyhow::Result<()> {
+    let ctl = data_dir.map(|d| d.join("vms").join(id).join("control.sock"));
+    let mut rows: [(&str, Vec<Duration>); 8] = [
+        ("api: pause", Vec::new()),
+        ("api: resume", Vec::new()),
+        (
+            "library: pause through the worker's control socket",
+            Vec::new(),
+        ),
+        (
+            "library: resume through the worker's control socket",
+            Vec::new(),
+        ),
+        (
+            "api: snapshot (a diff, verified; the sandbox runs on)",
+            Vec::new(),
+        ),
+        (
+            "api: sleep (snapshot; its worker stops after the answer)",
+            Vec::new(),
+        ),
+        (
+            "api: wake to first exec (the exec wakes it; it waits for the sleep's worker to stop)",
+            Vec::new(),
+        ),
+        ("api: fork(1) to the child's exec answered", Vec::new()),
+    ];
+    let mut fork4 = Vec::new();
+    let timed = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        f()?;
+        Ok(t.elapsed())
+    };
+    for _ in 0..n {
+        rows[0]
+            .1
+            .push(timed(&mut || api.rest(id, "pause", json!({})).map(drop))?);
+        rows[1]
+            .1
+            .push(timed(&mut || api.rest(id, "resume", json!({})).map(drop))?);
+        if let Some(ctl) = &ctl {
+            let mut c = sprout_worker::Client::connect(ctl)
+                .with_context(|| format!("connect {}", ctl.display()))?;
+            rows[2].1.push(timed(&mut || Ok(c.pause()?))?);
+            rows[3].1.push(timed(&mut || Ok(c.resume()?))?);
+        }
+        let mut snap = None;
+        rows[4].1.push(timed(&mut || {
+            snap = Some(api.rest(id, "snapshot", json!({}))?);
+            Ok(())
+        })?);
+        if let Some(s) = snap.as_ref().and_then(|v| v["snapshotId"].as_str()) {
+            api.delete_snapshot(s)?;
+        }
+        rows[5]
+            .1
+            .push(timed(&mut || api.rest(id, "sleep", json!({})).map(drop))?);
+        rows[6].1.push(timed(&mut || api.exec_true(id))?);
+        rows[7].1.push(api.fork(id, 1)?);
+        fork4.push(api.fork(id, 4)?);
+    }
+    // The library's snapshot: the worker writes a diff into the sandbox's
+    // own vm/ (writable in its jail), nothing verified or recorded. Last:
+    // it moves the worker's lineage off the registry's (sproutd's next
+    // snapshot of it would be full).
+    let mut lib_snap = Vec::new();
+    if let (Some(ctl), Some(d)) = (&ctl, data_dir) {
+        let vm = d.join("vms").join(id).join("vm");
+        let mut c = sprout_worker::Client::connect(ctl)?;
+        for i in 0..n {
+            let dir = vm.join(format!("bench-snapshot-{i}"));
+            lib_snap.push(timed(&mut || Ok(c.snapshot(&dir, true)?))?);
+        }
+        for i in 0..n {
+            let _ = std::fs::remove_dir_all(vm.join(format!("bench-snapshot-{i}")));
+        }
+    }
+    for (name, v) in rows {
+        if !v.is_empty() {
+            row(label, name, v);
+        }
+    }
+    if !lib_snap.is_empty() {
+        row(
+            label,
+            "library: diff snapshot through the worker's control socket (not verified)",
+            lib_snap,
+        );
+    }
+    row(label, "api: fork(4) to every child's exec answered", fork4);
     Ok(())
 }
 
