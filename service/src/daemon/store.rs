@@ -10,9 +10,11 @@
 //! parent's directory. A jailed worker writes one through a bind mount of
 //! `<snapshot id>/` that sproutd makes for it, owned by the jail uid for
 //! the write; once written, sproutd takes every file back (root's, not
-//! writable by the jail uid) and verifies the snapshot whole before the API
-//! reports it. A restore exposes every snapshot of the chain read-only into
-//! the new worker's jail, at the same paths.
+//! writable by the jail uid), verifies the snapshot whole before the API
+//! reports it, and seals it (`snapshot::format::seal`): a restore in another
+//! process then checks the verified files' versions instead of hashing
+//! them. A restore exposes every snapshot of the chain read-only into the
+//! new worker's jail, at the same paths.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -82,13 +84,18 @@ impl Supervisor {
             // Root's from now on: the worker may read it, never change it.
             take_back(&base).map_err(|e| format!("Cannot take back {}: {e}", base.display()))?;
         }
-        snapshot::format::Snapshot::load(&dir).map_err(|e| {
+        let snap = snapshot::format::Snapshot::load(&dir).map_err(|e| {
             format!(
                 "The snapshot written to {} does not verify: {}",
                 dir.display(),
                 chain(&e)
             )
         })?;
+        // Verified once, here: restores in other processes check the seal's
+        // file versions instead of hashing the data again (issue 13).
+        if let Err(e) = snapshot::format::seal::seal(&snap) {
+            tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));
+        }
         Ok(Written {
             size_bytes: du(&dir),
             dir,

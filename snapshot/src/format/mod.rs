@@ -11,6 +11,7 @@
 
 mod digest;
 mod manifest;
+pub mod seal;
 mod verify;
 mod writer;
 

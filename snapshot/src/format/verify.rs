@@ -21,14 +21,16 @@ pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
     let manifest = manifest::decode(&bytes, &path)?;
     check_manifest(&manifest, &path)?;
     let state = read_verified(dir, &manifest.state, MAX_STATE_BYTES)?;
+    // What a trusted seal says was verified, bound to exact file versions.
+    let sealed = super::seal::sealed(dir);
     for layer in &manifest.memory_layers {
-        verify_memory_layer(dir, layer, manifest.shape.mem_bytes)?;
+        verify_memory_layer(dir, layer, manifest.shape.mem_bytes, &sealed)?;
     }
     for entry in manifest.disk_layers.iter().flat_map(|d| &d.files) {
-        verify_file(dir, entry)?;
+        verify_file(dir, entry, &sealed)?;
     }
     for entry in &manifest.files {
-        verify_file(dir, entry)?;
+        verify_file(dir, entry, &sealed)?;
     }
     Ok(Snapshot {
         dir: dir.to_path_buf(),
@@ -151,9 +153,9 @@ fn check_size(path: &Path, actual: u64, expected: u64) -> Result<(), SnapshotErr
 
 /// A file version: device, inode, size, mtime and ctime (ns). Any write to
 /// the file changes its ctime, which user space cannot set back.
-type FileVersion = (u64, u64, u64, i64, i64, i64, i64);
+pub(super) type FileVersion = (u64, u64, u64, i64, i64, i64, i64);
 
-fn file_version(file: &File) -> Option<FileVersion> {
+pub(super) fn file_version(file: &File) -> Option<FileVersion> {
     use std::os::unix::fs::MetadataExt;
     let m = file.metadata().ok()?;
     Some((
@@ -176,15 +178,53 @@ fn verified() -> &'static std::sync::Mutex<std::collections::HashMap<FileVersion
     CACHE.get_or_init(Default::default)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Files this thread hashed (tests: whether a load hashed at all).
+    static HASHED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn count_hash() {
+    #[cfg(test)]
+    HASHED.with(|h| h.set(h.get() + 1));
+}
+
+/// Forgets every verification this process remembers (tests: a restore in
+/// a new process).
+#[cfg(test)]
+pub(super) fn forget_verified() {
+    verified().lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
 /// Bound on remembered verifications (old entries are forgotten wholesale).
 const MAX_VERIFIED: usize = 4096;
 
-fn verified_before(file: &File, checksum: Checksum) -> bool {
+/// Whether this process verified version `v` against `checksum`.
+pub(super) fn is_verified(v: &FileVersion, checksum: Checksum) -> bool {
+    let cache = verified().lock().unwrap_or_else(|p| p.into_inner());
+    cache.get(v) == Some(&checksum)
+}
+
+/// Whether `file` (listed as `entry` in `dir`'s manifest) needs no hashing:
+/// this process verified it at its current version, or `sealed` (the
+/// directory's trusted seal, [`super::seal`]) records that version and
+/// checksum. A sealed version is remembered as verified.
+fn verified_before(
+    file: &File,
+    entry: &FileEntry,
+    sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
+) -> bool {
     let Some(v) = file_version(file) else {
         return false;
     };
-    let cache = verified().lock().unwrap_or_else(|p| p.into_inner());
-    cache.get(&v) == Some(&checksum)
+    if is_verified(&v, entry.checksum) {
+        return true;
+    }
+    let ok = sealed.get(&entry.name) == Some(&(v, entry.checksum));
+    if ok {
+        remember_verified(file, entry.checksum);
+    }
+    ok
 }
 
 fn remember_verified(file: &File, checksum: Checksum) {
@@ -197,11 +237,16 @@ fn remember_verified(file: &File, checksum: Checksum) {
     }
 }
 
-fn verify_file(dir: &Path, entry: &FileEntry) -> Result<(), SnapshotError> {
+fn verify_file(
+    dir: &Path,
+    entry: &FileEntry,
+    sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
+) -> Result<(), SnapshotError> {
     let (file, path) = open_sized(dir, entry)?;
-    if verified_before(&file, entry.checksum) {
+    if verified_before(&file, entry, sealed) {
         return Ok(());
     }
+    count_hash();
     let scan =
         scan_file(&file, entry.size, |_| true).map_err(|e| SnapshotError::io("read", &path, e))?;
     if scan.checksum != entry.checksum {
@@ -270,6 +315,7 @@ fn verify_memory_layer(
     dir: &Path,
     layer: &MemoryLayerEntry,
     mem_bytes: u64,
+    sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
 ) -> Result<(), SnapshotError> {
     let map = read_page_map(dir, layer, mem_bytes)?;
     let (file, path) = open_sized(dir, &layer.data)?;
@@ -282,9 +328,10 @@ fn verify_memory_layer(
             ),
         });
     }
-    if verified_before(&file, layer.data.checksum) {
+    if verified_before(&file, &layer.data, sealed) {
         return Ok(());
     }
+    count_hash();
     let scan = scan_file(&file, mem_bytes, |pfn| map.has_data(pfn))
         .map_err(|e| SnapshotError::io("read", &path, e))?;
     if scan.checksum != layer.data.checksum {
@@ -456,6 +503,48 @@ mod tests {
             .open(d.join(&layer))
             .unwrap();
         f.write_all_at(&[0x5a], 3 * crate::PAGE_SIZE as u64 + 9)
+            .unwrap();
+        drop(f);
+        let e = Snapshot::load(&d).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_sealed_snapshot_loads_unhashed_in_a_new_process_and_a_change_after_is_refused() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
+        crate::testutil::fill(&mut ram, 5, 9);
+        let s = crate::testutil::full(dir.path(), "s", &ram);
+        let d = s.dir().to_path_buf();
+        let n = crate::format::seal::seal(&Snapshot::load(&d).unwrap()).unwrap();
+        assert!(n >= 1, "the memory layer is sealed");
+        let sealed = crate::format::seal::sealed(&d);
+        let layer = s.manifest().memory_layers[0].data.name.clone();
+        assert!(sealed.contains_key(&layer), "{sealed:?}");
+        // As a new process: nothing remembered, the seal is used (nothing
+        // is hashed).
+        forget_verified();
+        let before = HASHED.with(|h| h.get());
+        assert!(Snapshot::load(&d).is_ok());
+        assert_eq!(
+            HASHED.with(|h| h.get()),
+            before,
+            "a sealed load hashes nothing"
+        );
+        // Without the seal, the same load hashes.
+        forget_verified();
+        std::fs::rename(d.join(".sealed"), d.join("sealed.off")).unwrap();
+        assert!(Snapshot::load(&d).is_ok());
+        assert!(HASHED.with(|h| h.get()) > before);
+        std::fs::rename(d.join("sealed.off"), d.join(".sealed")).unwrap();
+        forget_verified();
+        // Changed in place after the seal: a new ctime, hashed, refused.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(&layer))
+            .unwrap();
+        f.write_all_at(&[0xa5], 5 * crate::PAGE_SIZE as u64 + 1)
             .unwrap();
         drop(f);
         let e = Snapshot::load(&d).unwrap_err();

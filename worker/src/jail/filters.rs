@@ -167,6 +167,8 @@ const OWNER_OWN: &[c_long] = &[
     // Each new thread installs its filter.
     libc::SYS_seccomp,
     libc::SYS_prctl,
+    // A restore's check of a snapshot's seal: whose it may trust.
+    libc::SYS_geteuid,
 ];
 
 /// The owner's filter: its own calls and every kind of thread it creates
