@@ -596,9 +596,14 @@ impl App {
             })
             .await;
         tracing::debug!(vm = %s.id, "restored into a worker in {} ms", t.elapsed().as_millis());
+        let r = match booted {
+            Ok(b) => self.adopt_booted(s, b, Some((iid, hostname))).await,
+            Err(e) => Err(e),
+        };
+        // The replacement starts once this sandbox answers, not while its
+        // guest comes back (on a small host they would share the CPU).
         super::pool::refill_later(self, shape);
-        let booted = booted?;
-        self.adopt_booted(s, booted, Some((iid, hostname))).await
+        r
     }
 
     /// Makes the freshly booted `s` running: its agent answers, its guest
