@@ -209,6 +209,33 @@ pub struct Sandbox {
     pub hostname: Option<String>,
 }
 
+impl Sandbox {
+    /// A new sandbox of `image` and shape, `starting`, nothing else set.
+    pub fn starting(id: Uuid, image: &str, cpus: u8, memory_mb: u32, created_ms: u64) -> Sandbox {
+        Sandbox {
+            id,
+            state: State::Starting,
+            image: image.to_owned(),
+            cpus,
+            memory_mb,
+            disable_internet: false,
+            idle_timeout_secs: None,
+            env: BTreeMap::new(),
+            metadata: BTreeMap::new(),
+            worker_socket: None,
+            vsock_socket: None,
+            pid: None,
+            created_ms,
+            parent_vm_id: None,
+            snapshot_id: None,
+            failure_reason: None,
+            lineage_snapshot_id: None,
+            rest_snapshot_id: None,
+            hostname: None,
+        }
+    }
+}
+
 /// What a snapshot is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]

@@ -621,25 +621,19 @@ pub async fn from_snapshot(
     opts: FromSnapshot,
 ) -> Result<Sandbox, ApiError> {
     let s = Sandbox {
-        id: Uuid::new_v4(),
-        state: VmState::Starting,
-        image: snap.image.clone(),
-        cpus: snap.cpus,
-        memory_mb: snap.memory_mb,
         disable_internet: opts.disable_internet,
         idle_timeout_secs: opts.idle_timeout_secs,
         env: env.unwrap_or_else(|| snap.env.clone()),
         metadata: opts.metadata,
-        worker_socket: None,
-        vsock_socket: None,
-        pid: None,
-        created_ms: now_ms(),
-        parent_vm_id: None,
         snapshot_id: Some(snap.id),
-        failure_reason: None,
         lineage_snapshot_id: Some(snap.id),
-        rest_snapshot_id: None,
-        hostname: None,
+        ..Sandbox::starting(
+            Uuid::new_v4(),
+            &snap.image,
+            snap.cpus,
+            snap.memory_mb,
+            now_ms(),
+        )
     };
     // Recorded only while the snapshot still is, in one write: from then on
     // the sandbox keeps it.

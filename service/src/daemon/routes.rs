@@ -638,25 +638,11 @@ async fn schedule(
     }
     let t = std::time::Instant::now();
     let s = Sandbox {
-        id: Uuid::new_v4(),
-        state: VmState::Starting,
-        image,
-        cpus,
-        memory_mb,
         disable_internet,
         idle_timeout_secs: idle,
         env,
         metadata,
-        worker_socket: None,
-        vsock_socket: None,
-        pid: None,
-        created_ms: now_ms(),
-        parent_vm_id: None,
-        snapshot_id: None,
-        failure_reason: None,
-        lineage_snapshot_id: None,
-        rest_snapshot_id: None,
-        hostname: None,
+        ..Sandbox::starting(Uuid::new_v4(), &image, cpus, memory_mb, now_ms())
     };
     let row = s.clone();
     app.db(move |r| r.insert_sandbox(&row)).await?;

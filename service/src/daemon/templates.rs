@@ -173,27 +173,7 @@ impl App {
         started: Instant,
     ) -> Result<SnapshotRow, ApiError> {
         // Not a sandbox: never in the registry, its directory removed after.
-        let mut s = Sandbox {
-            id: build_id,
-            state: VmState::Starting,
-            image: image.name.clone(),
-            cpus,
-            memory_mb,
-            disable_internet: false,
-            idle_timeout_secs: None,
-            env: Default::default(),
-            metadata: Default::default(),
-            worker_socket: None,
-            vsock_socket: None,
-            pid: None,
-            created_ms: now_ms(),
-            parent_vm_id: None,
-            snapshot_id: None,
-            failure_reason: None,
-            lineage_snapshot_id: None,
-            rest_snapshot_id: None,
-            hostname: None,
-        };
+        let mut s = Sandbox::starting(build_id, &image.name, cpus, memory_mb, now_ms());
         let (a, row, path) = (self.clone(), s.clone(), image.path.clone());
         let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path)))
             .await
@@ -311,25 +291,9 @@ impl App {
             let dir = self.supervisor.vm_dir(id);
             let sock: PathBuf = dir.join(CONTROL_SOCK);
             let s = Sandbox {
-                id,
                 state: VmState::Stopping,
-                image: String::new(),
-                cpus: 1,
-                memory_mb: 128,
-                disable_internet: false,
-                idle_timeout_secs: None,
-                env: Default::default(),
-                metadata: Default::default(),
                 worker_socket: sock.symlink_metadata().is_ok().then_some(sock),
-                vsock_socket: None,
-                pid: None,
-                created_ms: 0,
-                parent_vm_id: None,
-                snapshot_id: None,
-                failure_reason: None,
-                lineage_snapshot_id: None,
-                rest_snapshot_id: None,
-                hostname: None,
+                ..Sandbox::starting(id, "", 1, 128, 0)
             };
             let a = self.clone();
             let r = tokio::task::spawn_blocking(move || a.supervisor.stop(&s, None)).await;
