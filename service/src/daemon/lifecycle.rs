@@ -144,6 +144,7 @@ fn boot_failed(e: BootError) -> ApiError {
     match e {
         BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
         BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
+        BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
     }
 }
 
@@ -151,6 +152,8 @@ fn restore_failed(e: BootError) -> ApiError {
     match e {
         BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
         BootError::Failed(m) => ApiError::new(Code::SnapshotFailed, m),
+        // Not the snapshot's fault: a template is not failed for it.
+        BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
     }
 }
 

@@ -522,6 +522,7 @@ errors!(
         TemplateBuilding,
         BootFailed,
         SnapshotFailed,
+        WorkerFailed,
         AgentUnavailable,
     ]
 );
@@ -658,6 +659,7 @@ async fn schedule(
         let (code, why) = match &e {
             BootError::Unsupported(m) => (Code::HostUnsupported, m.clone()),
             BootError::Failed(m) => (Code::BootFailed, m.clone()),
+            BootError::Worker(m) => (Code::WorkerFailed, m.clone()),
         };
         let reason = why.clone();
         app.db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))

@@ -141,7 +141,7 @@ impl Supervisor {
                     .log_to(&log)
                     .spawn(&sock, Some(shape), Some(&console))
                     .map_err(|e| {
-                        BootError::Failed(format!(
+                        BootError::Worker(format!(
                             "Cannot start a worker: {}{}",
                             chain(&e),
                             self.worker_log_tail(s.id)

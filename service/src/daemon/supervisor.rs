@@ -66,6 +66,10 @@ pub enum BootError {
     Unsupported(String),
     #[error("{0}")]
     Failed(String),
+    /// No worker process could be started for it (nothing about the
+    /// snapshot or image it was to run).
+    #[error("{0}")]
+    Worker(String),
 }
 
 /// A sandbox's worker, once its VM runs.

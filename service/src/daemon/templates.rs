@@ -181,6 +181,7 @@ impl App {
             .map_err(|e| match e {
                 BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
                 BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
+                BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
             });
         let booted = match booted {
             Ok(b) => b,
@@ -205,7 +206,7 @@ impl App {
                     .wait_agent(&agent, build_id, &sock)
                     .await
                     .map_err(|e| match e {
-                        BootError::Unsupported(m) | BootError::Failed(m) => {
+                        BootError::Unsupported(m) | BootError::Failed(m) | BootError::Worker(m) => {
                             ApiError::new(Code::BootFailed, m)
                         }
                     })?;
