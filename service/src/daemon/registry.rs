@@ -516,22 +516,42 @@ impl Registry {
     }
 
     pub fn get_snapshot(&self, id: Uuid) -> Result<Option<SnapshotRow>, RegistryError> {
-        self.conn
-            .query_row(
-                &format!("SELECT {SNAP_COLUMNS} FROM snapshots WHERE id = ?1"),
-                [id.to_string()],
-                row_snapshot,
-            )
-            .optional()?
-            .transpose()
+        self.one(
+            &format!("SELECT {SNAP_COLUMNS} FROM snapshots WHERE id = ?1"),
+            id,
+            row_snapshot,
+        )
     }
 
     /// Every snapshot, oldest first.
     pub fn list_snapshots(&self) -> Result<Vec<SnapshotRow>, RegistryError> {
-        let mut st = self.conn.prepare(&format!(
-            "SELECT {SNAP_COLUMNS} FROM snapshots ORDER BY created_ms, id"
-        ))?;
-        let rows = st.query_map([], row_snapshot)?;
+        self.all(
+            &format!("SELECT {SNAP_COLUMNS} FROM snapshots ORDER BY created_ms, id"),
+            row_snapshot,
+        )
+    }
+
+    /// The row `sql` (with `?1` the id) selects, through `row`.
+    fn one<T>(
+        &self,
+        sql: &str,
+        id: Uuid,
+        row: fn(&Row<'_>) -> rusqlite::Result<Result<T, RegistryError>>,
+    ) -> Result<Option<T>, RegistryError> {
+        self.conn
+            .query_row(sql, [id.to_string()], row)
+            .optional()?
+            .transpose()
+    }
+
+    /// Every row `sql` selects, through `row`.
+    fn all<T>(
+        &self,
+        sql: &str,
+        row: fn(&Row<'_>) -> rusqlite::Result<Result<T, RegistryError>>,
+    ) -> Result<Vec<T>, RegistryError> {
+        let mut st = self.conn.prepare(sql)?;
+        let rows = st.query_map([], row)?;
         let mut out = Vec::new();
         for r in rows {
             out.push(r??);
@@ -698,27 +718,19 @@ impl Registry {
     }
 
     pub fn get_sandbox(&self, id: Uuid) -> Result<Option<Sandbox>, RegistryError> {
-        self.conn
-            .query_row(
-                &format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"),
-                [id.to_string()],
-                row_sandbox,
-            )
-            .optional()?
-            .transpose()
+        self.one(
+            &format!("SELECT {COLUMNS} FROM sandboxes WHERE id = ?1"),
+            id,
+            row_sandbox,
+        )
     }
 
     /// Every sandbox, oldest first.
     pub fn list_sandboxes(&self) -> Result<Vec<Sandbox>, RegistryError> {
-        let mut st = self.conn.prepare(&format!(
-            "SELECT {COLUMNS} FROM sandboxes ORDER BY created_ms, id"
-        ))?;
-        let rows = st.query_map([], row_sandbox)?;
-        let mut out = Vec::new();
-        for r in rows {
-            out.push(r??);
-        }
-        Ok(out)
+        self.all(
+            &format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_ms, id"),
+            row_sandbox,
+        )
     }
 
     /// Removes a sandbox's record; false if there was none.
