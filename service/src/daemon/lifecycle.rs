@@ -172,17 +172,7 @@ impl App {
     /// agent, and the call's activity hold. A paused sandbox is `409
     /// paused` (a pause is an operator's and is never undone by a call).
     pub async fn live(self: &Arc<Self>, id: &str) -> Result<Live, ApiError> {
-        let s = self.sandbox(id).await?;
-        if s.image == TEST_GUEST_IMAGE {
-            return Err(ApiError::new(
-                Code::NotSupported,
-                format!(
-                    "Sandbox {} runs the test guest, which has no agent to exec in",
-                    s.id
-                ),
-            ));
-        }
-        let vm = s.id;
+        let vm = Uuid::parse_str(id).map_err(|_| ApiError::vm_not_found(id))?;
         let l = self.lifecycle.lock_of(vm);
         // A wake, then a second look; a sandbox that fell asleep again in
         // between (a zero-activity race with the sweeper) is woken again,
@@ -190,7 +180,25 @@ impl App {
         for _ in 0..3 {
             {
                 let _g = l.read().await;
-                let s = self.sandbox(id).await?;
+                let s = match self.sandbox(id).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        // No lock is kept for an id nothing has.
+                        if e.code == Code::VmNotFound {
+                            self.lifecycle.forget(vm);
+                        }
+                        return Err(e);
+                    }
+                };
+                if s.image == TEST_GUEST_IMAGE {
+                    return Err(ApiError::new(
+                        Code::NotSupported,
+                        format!(
+                            "Sandbox {} runs the test guest, which has no agent to exec in",
+                            s.id
+                        ),
+                    ));
+                }
                 match s.state {
                     State::Running => {
                         let agent = self.agent(&s).ok_or_else(|| {
