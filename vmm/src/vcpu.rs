@@ -37,8 +37,10 @@ pub enum ExitReason {
     Reset,
     /// The guest powered off (KVM shutdown system event).
     PowerOff,
-    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN).
-    TripleFault { vcpu: u8 },
+    /// The guest triple-faulted (KVM_EXIT_SHUTDOWN); `regs` is that vCPU's
+    /// state at the fault (registers, descriptor tables, pending events), to
+    /// tell a guest that lost its stack or IDT from one that rebooted that way.
+    TripleFault { vcpu: u8, regs: String },
     /// The test guest reported a fatal error through its mailbox device.
     GuestPanic { code: u32, rip: u64 },
     /// KVM refused to run a vCPU or reported an error exit.
@@ -63,7 +65,9 @@ impl std::fmt::Display for ExitReason {
         match self {
             Self::Reset => write!(f, "guest reset"),
             Self::PowerOff => write!(f, "guest powered off"),
-            Self::TripleFault { vcpu } => write!(f, "guest triple fault on vCPU {vcpu}"),
+            Self::TripleFault { vcpu, regs } => {
+                write!(f, "guest triple fault on vCPU {vcpu} ({regs})")
+            }
             Self::GuestPanic { code, rip } => {
                 write!(f, "guest panic: code {code:#x} at rip {rip:#x}")
             }
@@ -302,6 +306,10 @@ fn install_kick_handler() -> Result<(), VcpuError> {
     res.map_err(VcpuError::Signal)
 }
 
+/// The i8042's command port, and the command that pulses the CPU reset line.
+const I8042_COMMAND_PORT: u16 = crate::layout::I8042_PORT + 4;
+const I8042_RESET_CPU: u8 = 0xfe;
+
 /// What a vCPU thread needs besides its fd.
 pub struct VcpuContext {
     pub pio: Arc<Bus>,
@@ -502,7 +510,59 @@ impl Drop for Vcpu {
 enum Flow {
     Continue,
     Stop,
+    /// KVM_EXIT_SHUTDOWN: the caller, which holds the fd, records it with
+    /// the vCPU's registers.
+    TripleFault,
     Fail(String),
+}
+
+/// Records a triple fault of vCPU `index` with its state as KVM has it now.
+fn triple_fault(index: u8, fd: &VcpuFd, ctx: &VcpuContext) {
+    ctx.exit.set(ExitReason::TripleFault {
+        vcpu: index,
+        regs: fault_state(fd),
+    });
+}
+
+/// A one-line account of a vCPU's state at a triple fault.
+fn fault_state(fd: &VcpuFd) -> String {
+    let mut out = Vec::new();
+    match fd.get_regs() {
+        Ok(r) => out.push(format!(
+            "rip={:#x} rsp={:#x} rflags={:#x} rax={:#x}",
+            r.rip, r.rsp, r.rflags, r.rax
+        )),
+        Err(e) => out.push(format!("no registers: {e}")),
+    }
+    match fd.get_sregs() {
+        Ok(s) => out.push(format!(
+            "cs={:#x} cpl={} cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x} idt={:#x}/{:#x} gdt={:#x}/{:#x} tr={:#x}",
+            s.cs.selector,
+            s.cs.dpl,
+            s.cr0,
+            s.cr2,
+            s.cr3,
+            s.cr4,
+            s.efer,
+            s.idt.base,
+            s.idt.limit,
+            s.gdt.base,
+            s.gdt.limit,
+            s.tr.base
+        )),
+        Err(e) => out.push(format!("no special registers: {e}")),
+    }
+    if let Ok(ev) = fd.get_vcpu_events() {
+        out.push(format!(
+            "exception={}:{} nmi_pending={} interrupt={}:{}",
+            ev.exception.injected,
+            ev.exception.nr,
+            ev.nmi.pending,
+            ev.interrupt.injected,
+            ev.interrupt.nr
+        ));
+    }
+    out.join(" ")
 }
 
 fn run_thread(
@@ -540,7 +600,7 @@ fn run_thread(
             Ok((seq, Command::Pause)) => {
                 state = match complete_last_exit(index, &mut fd, &ctx, stats) {
                     Flow::Continue => RunState::Paused,
-                    Flow::Stop | Flow::Fail(_) => RunState::Exited,
+                    Flow::Stop | Flow::TripleFault | Flow::Fail(_) => RunState::Exited,
                 };
                 let _ = acks.send((seq, Ack::State(state)));
                 continue;
@@ -558,7 +618,7 @@ fn run_thread(
         let flow = match fd.run() {
             Ok(exit) => {
                 stats.returned(ExitKind::of(&exit));
-                handle_exit(index, exit, &ctx)
+                handle_exit(exit, &ctx)
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 stats.returned(ExitKind::Interrupted);
@@ -576,6 +636,10 @@ fn run_thread(
         match flow {
             Flow::Continue => {}
             Flow::Stop => state = RunState::Exited,
+            Flow::TripleFault => {
+                triple_fault(index, &fd, &ctx);
+                state = RunState::Exited;
+            }
             Flow::Fail(message) => {
                 let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
                 ctx.exit.set(ExitReason::VcpuFailed {
@@ -607,7 +671,7 @@ fn complete_last_exit(index: u8, fd: &mut VcpuFd, ctx: &VcpuContext, stats: &Vcp
             Ok(exit) => {
                 stats.returned(ExitKind::of(&exit));
                 stats.park_exits.fetch_add(1, Ordering::Relaxed);
-                flow = handle_exit(index, exit, ctx);
+                flow = handle_exit(exit, ctx);
                 if !matches!(flow, Flow::Continue) {
                     break;
                 }
@@ -628,6 +692,9 @@ fn complete_last_exit(index: u8, fd: &mut VcpuFd, ctx: &VcpuContext, stats: &Vcp
         }
     }
     fd.set_kvm_immediate_exit(0);
+    if let Flow::TripleFault = flow {
+        triple_fault(index, fd, ctx);
+    }
     if let Flow::Fail(message) = &flow {
         let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
         ctx.exit.set(ExitReason::VcpuFailed {
@@ -638,7 +705,7 @@ fn complete_last_exit(index: u8, fd: &mut VcpuFd, ctx: &VcpuContext, stats: &Vcp
     flow
 }
 
-fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
+fn handle_exit(exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
     match exit {
         VcpuExit::IoIn(port, data) => {
             if !ctx.pio.read(u64::from(port), data) {
@@ -648,6 +715,14 @@ fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
         }
         VcpuExit::IoOut(port, data) => {
             ctx.pio.write(u64::from(port), data);
+            if port == I8042_COMMAND_PORT && data == [I8042_RESET_CPU] {
+                // The guest pulsed the reset line: this vCPU stops here. (The
+                // event loop learns of it from the i8042's eventfd too, but
+                // later: a panicking Linux goes on to other reboot methods, a
+                // triple fault last, and that must not be what the VM ends on.)
+                ctx.exit.set(ExitReason::Reset);
+                return Flow::Stop;
+            }
             Flow::Continue
         }
         VcpuExit::MmioRead(addr, data) => {
@@ -661,10 +736,7 @@ fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
             Flow::Continue
         }
         VcpuExit::Hlt | VcpuExit::IrqWindowOpen | VcpuExit::Intr => Flow::Continue,
-        VcpuExit::Shutdown => {
-            ctx.exit.set(ExitReason::TripleFault { vcpu: index });
-            Flow::Stop
-        }
+        VcpuExit::Shutdown => Flow::TripleFault,
         VcpuExit::SystemEvent(ty, _) => match ty {
             kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
                 ctx.exit.set(ExitReason::Reset);
@@ -677,5 +749,50 @@ fn handle_exit(index: u8, exit: VcpuExit<'_>, ctx: &VcpuContext) -> Flow {
             other => Flow::Fail(format!("unexpected system event {other}")),
         },
         other => Flow::Fail(format!("unhandled exit {other:?}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> VcpuContext {
+        VcpuContext {
+            pio: Arc::new(Bus::new()),
+            mmio: Arc::new(Bus::new()),
+            exit: Arc::new(ExitSignal::default()),
+        }
+    }
+
+    /// A guest that pulses the i8042 reset line ends the VM as reset right
+    /// there, on its vCPU: a panicking Linux that went on to its last reboot
+    /// method (a triple fault) before the event loop read the i8042's eventfd
+    /// must not be reported as having triple-faulted.
+    #[test]
+    fn an_i8042_reset_stops_the_vcpu_as_a_reset() {
+        let c = ctx();
+        let mut data = [I8042_RESET_CPU];
+        assert!(matches!(
+            handle_exit(VcpuExit::IoOut(I8042_COMMAND_PORT, &data), &c),
+            Flow::Stop
+        ));
+        assert_eq!(c.exit.get(), Some(ExitReason::Reset));
+        // Other writes to the controller, and a read, are not resets.
+        let c = ctx();
+        data[0] = 0xd1;
+        assert!(matches!(
+            handle_exit(VcpuExit::IoOut(I8042_COMMAND_PORT, &data), &c),
+            Flow::Continue
+        ));
+        data[0] = I8042_RESET_CPU;
+        assert!(matches!(
+            handle_exit(VcpuExit::IoOut(crate::layout::I8042_PORT, &data), &c),
+            Flow::Continue
+        ));
+        assert!(matches!(
+            handle_exit(VcpuExit::Shutdown, &c),
+            Flow::TripleFault
+        ));
+        assert_eq!(c.exit.get(), None);
     }
 }
