@@ -35,7 +35,13 @@ while [ $# -gt 0 ]; do
 done
 say() { printf '[bench-restore %s] %s\n' "$(date +%T)" "$*" >&2; }
 
-"$here/build.sh" >/dev/null
+# Every boot of this run uses the lab built now, even if a build from a
+# changed tree relinks the cache's "lab" meanwhile (held in use until the end,
+# so build.sh does not remove it).
+SPROUT_LAB=$("$here/build.sh")
+export SPROUT_LAB
+exec 7>>"$SPROUT_LAB/.in-use"
+flock -s 7
 vmlinux=$("$root/guest/build-kernel.sh" 2>/dev/null)
 mkdir -p "$out"
 boots=$(( (runs + per_boot - 1) / per_boot ))

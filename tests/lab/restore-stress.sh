@@ -33,6 +33,9 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-400}
 W=/workspace/w
 
 say() { echo "step: $(date +%T) $*"; }
+# The outer VM's free memory and tmpfs use (the VMs, their disks and snapshots
+# all live in its 2 GiB).
+mem() { echo "memory: $(awk '/MemAvailable|Shmem:/ {printf "%s %d MiB ", $1, $2 / 1024}' /proc/meminfo)"; }
 
 socks=""
 pids=""
@@ -119,6 +122,7 @@ entries() {
 # check NAME: the restored (or original) VM's workload adds PASSES passes,
 # error-free, and every one of its vCPUs entered KVM_RUN again meanwhile.
 check() {
+  say "$1: check"
   timeout -s KILL 60 sprout vm ctl --api-sock "/tmp/$1.sock" vcpus >"/tmp/$1.vcpus-a" ||
     { echo "cannot inspect $1"; return 3; }
   step "$1: the workload progresses" sprout vm exec --api-sock "/tmp/$1.sock" --exec \
@@ -173,6 +177,7 @@ iteration() {
     for n in orig "r-$kind-mmap" "r-$kind-uffd"; do
       check "$n" || return $?
     done
+    mem
     if [ "$kind" = full ]; then
       # The diff restores' memory comes from the full layer too.
       for n in r-full-mmap r-full-uffd; do
@@ -207,9 +212,14 @@ while [ "$it" -le "$ITERATIONS" ]; do
     # What each VM's sprout said (a VM that ended tells why here).
     for c in /tmp/*.console; do
       echo "--- $c (tail)"
-      grep -v '^\[' "$c" | tail -n 8
+      # (the guest kernel's last words too: a panic, an oops)
+      tail -n 40 "$c"
     done
+    # The outer kernel's word (an OOM kill, a KVM warning) and its memory.
+    echo "--- outer kernel log (tail)"
+    dmesg | tail -n 25
   fi
+  mem
   echo "result: iteration $it $r $(( $(date +%s) - start )) s"
   [ "$rc" = 0 ] || failed=$((failed + 1))
   stop_all

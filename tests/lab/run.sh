@@ -23,7 +23,8 @@
 # Prints the script's output (between the lab's markers) on stdout and exits
 # with the script's status; 124 if the host-time limit passed, 125 if the lab
 # itself failed (no exit marker: the console is then printed on stderr), 126 if
-# the outer kernel locked up (it panics on a soft lockup rather than hang), 127
+# the outer kernel panicked or locked up (it panics on a soft lockup rather
+# than hang), 127
 # if the emulated machine froze (no heartbeat: not a test's own hang, which the
 # lab kernel would outlive).
 set -euo pipefail
@@ -152,6 +153,16 @@ if [ -z "$status" ]; then
     say "timed out after $timeout s (host time); console:"
     cat "$tmp/console.txt" >&2
     exit 124
+  fi
+  if grep -q 'Kernel panic - not syncing' "$tmp/console.txt"; then
+    # The outer kernel's own panic (its KVM, under QEMU's emulation of SVM):
+    # a failure of the emulated machine, which no program of Sprout's can
+    # cause in a correct kernel.
+    say "the lab's own kernel panicked (a failure of the emulated machine, not of a Sprout guest):"
+    grep -E 'BUG:|Oops|Comm:|RIP:|Kernel panic' "$tmp/console.txt" | head -n 8 >&2
+    say "console:"
+    cat "$tmp/console.txt" >&2
+    exit 126
   fi
   if grep -q 'soft lockup' "$tmp/console.txt"; then
     say "the lab's own kernel locked up (soft lockup: a failure of the emulated machine); console:"
