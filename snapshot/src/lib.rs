@@ -41,6 +41,7 @@ pub use format::{
 };
 pub use layers::{
     write_diff_layer, write_full_layer, DirtyBitmap, LayerError, LayerStack, Page, RamSource,
+    StagedPages,
 };
 pub use mmap::{map_private, MmapError, PrivateMapping};
 pub use uffd::{UffdError, UffdOptions, UffdRestore, UffdStats, WorkingSet};

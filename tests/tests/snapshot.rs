@@ -126,6 +126,93 @@ fn a_diff_on_a_full_restores_the_later_state() {
     }
 }
 
+/// A durable diff copies its dirty pages and disk clusters out while the VM
+/// is paused and writes them after it runs again: what it holds is the paused
+/// instant, not what the guest writes while the layers are being written. A
+/// diff larger than `vmm::STAGE_LIMIT` is written while paused, to the same
+/// effect.
+#[test]
+fn a_staged_diff_holds_the_paused_instant_of_memory_and_disk() {
+    let dir = TempDir::new("snap-staged");
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let (mut cfg, console) = config(1, 512);
+    cfg.disks = vec![DiskConfig {
+        path: disk,
+        read_only: false,
+        id: "data".into(),
+    }];
+    let mut vm = boot(cfg, &console);
+    let (a, buf) = (TESTGUEST_SCRATCH, TESTGUEST_SCRATCH + 2 * MIB);
+    let sector = |vm: &Vm, byte: u8| {
+        vm.memory()
+            .write_slice(&[byte; 512], GuestAddress(buf))
+            .unwrap();
+        call(vm, 0, mb::CMD_BLK_WRITE, [0, 8, buf, 1]);
+    };
+    call(&vm, 0, mb::CMD_FILL, [a, PAGES, 1, 0]);
+    sector(&vm, 0x11);
+    vm.snapshot(&dir.path().join("full"), SnapshotKind::Full)
+        .unwrap();
+    assert_eq!(vm.last_staged_bytes(), 0, "a full snapshot is not staged");
+    call(&vm, 0, mb::CMD_FILL, [a, PAGES, 2, 0]);
+    sector(&vm, 0x22);
+    let diff = dir.path().join("diff");
+    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    let staged = vm.last_staged_bytes();
+    assert!(
+        (PAGES * 4096 + 4096..vmm::STAGE_LIMIT).contains(&staged),
+        "staged {staged} bytes"
+    );
+    // The guest runs on and overwrites both.
+    call(&vm, 0, mb::CMD_FILL, [a, PAGES, 3, 0]);
+    sector(&vm, 0x33);
+
+    // Over the limit: 260 MiB dirty, written while paused.
+    let big = 260 * MIB / 4096;
+    call(
+        &vm,
+        0,
+        mb::CMD_FILL,
+        [TESTGUEST_SCRATCH + 4 * MIB, big, 4, 0],
+    );
+    let over = dir.path().join("over");
+    vm.snapshot(&over, SnapshotKind::Diff).unwrap();
+    assert_eq!(
+        vm.last_staged_bytes(),
+        0,
+        "a diff over the limit is written paused"
+    );
+    drop(vm);
+
+    for backend in [MemoryBackend::Mmap, MemoryBackend::Uffd] {
+        for (snap, mem, disk) in [(&diff, 2, 0x22), (&over, 3, 0x33)] {
+            let r = Vm::restore(snap, opts(backend, &dir, "r")).unwrap();
+            let c = call(&r, 0, mb::CMD_CHECKSUM, [a, PAGES, 0, 0]).rets[0];
+            assert_eq!(c, pattern_checksum(mem, a, PAGES), "{backend:?} {snap:?}");
+            call(&r, 0, mb::CMD_BLK_READ, [0, 8, buf, 1]);
+            let mut back = [0u8; 512];
+            r.memory().read_slice(&mut back, GuestAddress(buf)).unwrap();
+            assert_eq!(back, [disk; 512], "{backend:?} {snap:?}");
+            if snap == &over {
+                let c = call(
+                    &r,
+                    0,
+                    mb::CMD_CHECKSUM,
+                    [TESTGUEST_SCRATCH + 4 * MIB, big, 0, 0],
+                );
+                assert_eq!(
+                    c.rets[0],
+                    pattern_checksum(4, TESTGUEST_SCRATCH + 4 * MIB, big)
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn devices_continue_after_restore_and_disks_diverge_privately() {
     let dir = TempDir::new("snap-dev");

@@ -275,6 +275,7 @@ impl VmBuilder {
             msrs: Arc::new(msrs),
             lineage: parts.lineage,
             last_pause: Duration::ZERO,
+            last_staged: 0,
             run: VmRunState::Created,
             vm,
             ram: memory::KeptRam::new(ram),

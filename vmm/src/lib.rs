@@ -39,7 +39,7 @@ pub use inspect::{VcpuRegs, VcpuReport};
 pub use lease::{LayerLease, LeaseError};
 pub use lineage::{new_instance_id, Lineage, LineageError, MAX_CHAIN_DEPTH};
 pub use options::{MemoryBackend, RestoreOptions, SnapshotKind};
-pub use persist::SnapshotError;
+pub use persist::{SnapshotError, STAGE_LIMIT};
 pub use restore::RestoreError;
 pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};

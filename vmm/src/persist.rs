@@ -13,9 +13,9 @@ use std::path::Path;
 
 use devices::bus::lock;
 use devices::state::Persist;
-use devices::virtio::block::LayerKind;
+use devices::virtio::block::{LayerKind, StagedLayer, CLUSTER_SIZE};
 use snapshot::format::{KernelIdentity, Shape, Snapshot, SnapshotWriter};
-use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, RamSource};
+use snapshot::layers::{write_diff_layer, write_full_layer, DirtyBitmap, RamSource, StagedPages};
 use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::state;
@@ -34,6 +34,69 @@ use crate::vm_state::{
 
 /// Name of the memory layer inside each snapshot directory.
 const MEMORY_LAYER: &str = "memory";
+
+/// Most bytes (dirty pages and dirty disk clusters together) a durable diff
+/// snapshot copies out while the VM is paused, to write and fsync them after
+/// it runs again. A larger diff, a full snapshot and a fork layer (which is
+/// not fsynced, so writing it costs about what copying it would) are written
+/// while paused.
+pub const STAGE_LIMIT: u64 = 256 << 20;
+
+/// A snapshot captured while the VM was paused: written already, or staged
+/// (its state blob written, its layers copied to memory) for
+/// [`Captured::finish`] to write once the VM runs again.
+enum Captured {
+    Written(Snapshot),
+    Staged {
+        w: SnapshotWriter,
+        ram: StagedPages,
+        dirty: DirtyBitmap,
+        disks: Vec<(usize, StagedLayer)>,
+    },
+}
+
+impl Captured {
+    fn staged_bytes(&self) -> u64 {
+        match self {
+            Self::Written(_) => 0,
+            Self::Staged { ram, disks, .. } => {
+                ram.bytes() + disks.iter().map(|(_, l)| l.bytes()).sum::<u64>()
+            }
+        }
+    }
+
+    fn finish(self) -> Result<Snapshot, SnapshotError> {
+        match self {
+            Self::Written(s) => Ok(s),
+            Self::Staged {
+                mut w,
+                ram,
+                dirty,
+                disks,
+            } => {
+                write_diff_layer(&mut w, MEMORY_LAYER, &ram, &dirty)?;
+                drop(ram);
+                for (i, l) in &disks {
+                    let (data, map) = disk_layer_files(&mut w, *i)?;
+                    l.write(&data, &map)
+                        .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })?;
+                }
+                Ok(w.commit()?)
+            }
+        }
+    }
+}
+
+/// The data and map files of writable disk `i`'s layer in `w`.
+fn disk_layer_files(
+    w: &mut SnapshotWriter,
+    i: usize,
+) -> Result<(std::path::PathBuf, std::path::PathBuf), SnapshotError> {
+    let name = disk_layer_name(i);
+    let data = w.add_disk_file(&name, &format!("{name}.data"))?;
+    let map = w.add_disk_file(&name, &format!("{name}.map"))?;
+    Ok((data, map))
+}
 
 /// Why a snapshot (or a fork layer) was not taken.
 #[derive(Debug, thiserror::Error)]
@@ -203,13 +266,18 @@ impl Vm {
             .event_loop
             .pause()
             .map_err(SnapshotError::from)
-            .and_then(|()| self.snapshot_paused(w, kind, &mut dirty_taken));
+            .and_then(|()| self.snapshot_paused(w, kind, !fork_layer, &mut dirty_taken));
         self.event_loop.resume();
         if running {
             self.resume().map_err(SnapshotError::Resume)?;
         }
         self.last_pause = paused_at.elapsed();
-        let res = res.and_then(|s| {
+        self.last_staged = match &res {
+            Ok(c) => c.staged_bytes(),
+            Err(_) => 0,
+        };
+        // A staged diff is written and fsynced now, with the guest running.
+        let res = res.and_then(Captured::finish).and_then(|s| {
             let lease = if fork_layer {
                 Some(crate::lease::LayerLease::create(s.dir())?)
             } else {
@@ -239,12 +307,16 @@ impl Vm {
         }
     }
 
+    /// Captures the paused VM into `w`: writes it whole, or (a diff of at
+    /// most [`STAGE_LIMIT`] bytes, when `may_stage`) writes the state blob
+    /// and copies the dirty pages and clusters out for [`Captured::finish`].
     fn snapshot_paused(
         &mut self,
         mut w: SnapshotWriter,
         kind: SnapshotKind,
+        may_stage: bool,
         dirty_taken: &mut bool,
-    ) -> Result<Snapshot, SnapshotError> {
+    ) -> Result<Captured, SnapshotError> {
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for v in &mut self.vcpus {
             vcpus.push(v.save_state(self.msrs.clone())?);
@@ -290,30 +362,70 @@ impl Vm {
         *dirty_taken = true;
         let dirty = memory::take_dirty(&self.vm, &self.ram.mem)?;
         let view = RamView { ram: &self.ram };
-        match kind {
-            SnapshotKind::Full => write_full_layer(&mut w, MEMORY_LAYER, &view)?,
-            SnapshotKind::Diff => {
-                let bits =
-                    DirtyBitmap::from_words(dirty, self.ram.size / snapshot::PAGE_SIZE as u64)?;
-                write_diff_layer(&mut w, MEMORY_LAYER, &view, &bits)?
+        if kind == SnapshotKind::Diff && may_stage {
+            let bits = DirtyBitmap::from_words(dirty, self.ram.size / snapshot::PAGE_SIZE as u64)?;
+            let disk_bytes: u64 = layered
+                .iter()
+                .map(|(_, l)| l.dirty_clusters() * CLUSTER_SIZE)
+                .sum();
+            if bits.count() * snapshot::PAGE_SIZE as u64 + disk_bytes <= STAGE_LIMIT {
+                let ram = StagedPages::capture(&view, &bits)?;
+                let disks = layered
+                    .iter()
+                    .map(|(i, l)| {
+                        l.stage_diff()
+                            .map(|s| (*i, s))
+                            .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                return Ok(Captured::Staged {
+                    w,
+                    ram,
+                    dirty: bits,
+                    disks,
+                });
             }
+            return self.write_paused(w, kind, &view, Some(bits), &layered);
+        }
+        let bits = match kind {
+            SnapshotKind::Full => None,
+            SnapshotKind::Diff => Some(DirtyBitmap::from_words(
+                dirty,
+                self.ram.size / snapshot::PAGE_SIZE as u64,
+            )?),
+        };
+        self.write_paused(w, kind, &view, bits, &layered)
+    }
+
+    /// Writes the paused VM's layers into `w` and commits it.
+    fn write_paused(
+        &self,
+        mut w: SnapshotWriter,
+        kind: SnapshotKind,
+        view: &RamView<'_>,
+        dirty: Option<DirtyBitmap>,
+        layered: &[(usize, std::sync::Arc<devices::virtio::block::LayeredDisk>)],
+    ) -> Result<Captured, SnapshotError> {
+        match (kind, dirty) {
+            (SnapshotKind::Diff, Some(bits)) => {
+                write_diff_layer(&mut w, MEMORY_LAYER, view, &bits)?
+            }
+            _ => write_full_layer(&mut w, MEMORY_LAYER, view)?,
         };
         let disk_kind = match kind {
             SnapshotKind::Full => LayerKind::Full,
             SnapshotKind::Diff => LayerKind::Diff,
         };
-        for (i, l) in &layered {
-            let name = disk_layer_name(*i);
-            let data = w.add_disk_file(&name, &format!("{name}.data"))?;
-            let map = w.add_disk_file(&name, &format!("{name}.map"))?;
+        for (i, l) in layered {
+            let (data, map) = disk_layer_files(&mut w, *i)?;
             l.write_layer(&data, &map, disk_kind)
                 .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })?;
         }
         let snap = w.commit()?;
-        for (_, l) in &layered {
+        for (_, l) in layered {
             l.mark_clean();
         }
-        Ok(snap)
+        Ok(Captured::Written(snap))
     }
 
     /// With the uffd backend, stores the pages the guest touched in its first

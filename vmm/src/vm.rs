@@ -98,6 +98,9 @@ pub struct Vm {
     pub(crate) lineage: crate::lineage::Lineage,
     /// How long the last snapshot (or fork) kept the vCPUs paused.
     pub(crate) last_pause: Duration,
+    /// Bytes the last snapshot copied out while paused and wrote after the
+    /// VM ran again (0: it was written while paused).
+    pub(crate) last_staged: u64,
     /// Where the host last put the VM (`Exited` comes from `exit` instead).
     pub(crate) run: VmRunState,
     pub(crate) vm: VmFd,
@@ -235,6 +238,14 @@ impl Vm {
     /// How long the last snapshot or fork kept this VM's vCPUs paused.
     pub fn last_pause(&self) -> Duration {
         self.last_pause
+    }
+
+    /// Bytes of dirty pages and disk clusters the last snapshot copied out
+    /// while the VM was paused, to write and fsync them after it ran again
+    /// (see [`crate::STAGE_LIMIT`]); 0 when it was written while
+    /// paused.
+    pub fn last_staged_bytes(&self) -> u64 {
+        self.last_staged
     }
 
     /// This VM's instance id (random unless the caller gave one; each fork

@@ -14,6 +14,7 @@ mod extents;
 mod filemap;
 mod pagemap;
 mod stack;
+mod staged;
 mod write;
 
 use std::fs::File;
@@ -26,6 +27,7 @@ pub(crate) use extents::fiemap_extents;
 pub(crate) use pagemap::PageMap;
 pub(crate) use stack::PageSource;
 pub use stack::{LayerStack, Page};
+pub use staged::StagedPages;
 pub use write::{write_diff_layer, write_full_layer};
 
 use crate::format::SnapshotError;

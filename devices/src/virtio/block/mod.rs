@@ -28,7 +28,9 @@ use std::path::PathBuf;
 
 pub use backend::{DiskBackend, FileDisk};
 pub use device::{Block, BlockConfig};
-pub use layered::{LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError};
+pub use layered::{
+    LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError, StagedLayer, CLUSTER_SIZE,
+};
 pub use persist::{BlockDisk, BlockRestoreArgs, BlockState};
 
 /// Sector size of the virtio-blk protocol.

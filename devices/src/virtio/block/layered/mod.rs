@@ -425,23 +425,37 @@ impl LayeredDisk {
         inner.scratch = scratch;
         result?;
         out.sync_all().map_err(werr)?;
-        let map_bytes = mapfile::write(out_map, map, self.size).map_err(|e| match e {
-            MapError::Io(source) if source.kind() == io::ErrorKind::AlreadyExists => {
-                LayeredError::Exists(out_map.to_owned())
-            }
-            MapError::Io(source) => LayeredError::Write {
-                path: out_map.to_owned(),
-                source,
-            },
-            source => LayeredError::Map {
-                path: out_map.to_owned(),
-                source,
-            },
-        })?;
+        let map_bytes = write_map(out_map, map, self.size)?;
         Ok(LayerStats {
             clusters: map.count(),
             data_bytes,
             map_bytes,
+        })
+    }
+
+    /// The clusters written since the last [`LayeredDisk::mark_clean`], copied
+    /// out (from the page cache, typically) for [`StagedLayer::write`], which
+    /// writes them as a diff layer later; the disk is marked clean at once, so
+    /// writes from now on count toward the next diff. Costs a read of the
+    /// dirty clusters, which the caller bounds with [`LayeredDisk::dirty_clusters`].
+    pub fn stage_diff(&self) -> Result<StagedLayer, LayeredError> {
+        let mut inner = lock(&self.inner);
+        let map = inner.top.dirty.clone();
+        let mut runs = Vec::new();
+        for (start, end) in map.runs() {
+            let off = start * CLUSTER_SIZE;
+            let len = (end * CLUSTER_SIZE).min(self.size) - off;
+            let mut buf = vec![0u8; len as usize];
+            inner
+                .read(&mut buf, off, true)
+                .map_err(LayeredError::Read)?;
+            runs.push((off, buf));
+        }
+        inner.top.dirty.clear_all();
+        Ok(StagedLayer {
+            size: self.size,
+            map,
+            runs,
         })
     }
 
@@ -454,6 +468,70 @@ impl LayeredDisk {
             )),
         }
     }
+}
+
+/// A diff layer's clusters copied out of a [`LayeredDisk`] by
+/// [`LayeredDisk::stage_diff`], to be written after the VM runs again.
+pub struct StagedLayer {
+    size: u64,
+    map: Bitmap,
+    runs: Vec<(u64, Vec<u8>)>,
+}
+
+impl StagedLayer {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.runs.iter().map(|(_, b)| b.len() as u64).sum()
+    }
+
+    /// Writes the layer: data to `out_data` (sparse, the disk size) and its
+    /// map to `out_map`, neither of which may exist; both are synced. On
+    /// failure, the files it created are removed.
+    pub fn write(&self, out_data: &Path, out_map: &Path) -> Result<LayerStats, LayeredError> {
+        if out_map.symlink_metadata().is_ok() {
+            return Err(LayeredError::Exists(out_map.to_owned()));
+        }
+        let out = create_new(out_data)?;
+        let werr = |source| LayeredError::Write {
+            path: out_data.to_owned(),
+            source,
+        };
+        let result = (|| {
+            out.set_len(self.size).map_err(werr)?;
+            let mut data_bytes = 0;
+            for (off, buf) in &self.runs {
+                data_bytes += write_nonzero(&out, buf, *off).map_err(werr)?;
+            }
+            out.sync_all().map_err(werr)?;
+            let map_bytes = write_map(out_map, &self.map, self.size)?;
+            Ok(LayerStats {
+                clusters: self.map.count(),
+                data_bytes,
+                map_bytes,
+            })
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(out_data);
+        }
+        result
+    }
+}
+
+/// Writes (and syncs) the cluster map of a layer.
+fn write_map(out_map: &Path, map: &Bitmap, size: u64) -> Result<u64, LayeredError> {
+    mapfile::write(out_map, map, size).map_err(|e| match e {
+        MapError::Io(source) if source.kind() == io::ErrorKind::AlreadyExists => {
+            LayeredError::Exists(out_map.to_owned())
+        }
+        MapError::Io(source) => LayeredError::Write {
+            path: out_map.to_owned(),
+            source,
+        },
+        source => LayeredError::Map {
+            path: out_map.to_owned(),
+            source,
+        },
+    })
 }
 
 /// Writes the clusters of `buf` (disk bytes from `off`) that are not all zero, runs

@@ -466,3 +466,46 @@ fn an_existing_file_as_top_keeps_guest_writes_and_snapshots_only_its_data() {
     assert_eq!(buf, [9u8; 512]);
     assert!(LayeredDisk::open_file(&dir.as_path().join("missing")).is_err());
 }
+
+/// A staged diff holds what was dirty when it was staged, written later as
+/// the same layer `write_layer` would have written then; writes after the
+/// staging are not in it and count toward the next diff.
+#[test]
+fn a_staged_diff_is_the_layer_of_its_instant() {
+    let dir = Dir::new();
+    let size = 16 * CS as u64 + 512;
+    let base: Vec<u8> = (0..size).map(|i| (i % 241) as u8).collect();
+    let base_files = dir.raw(&base);
+    let d = dir.disk(vec![base_files.clone()], size);
+    let mut r = Rand(7);
+    let first = r.bytes(3 * CS);
+    write(&d, &first, CLUSTER_SIZE + 17);
+    write(&d, &[0; 100], 16 * CLUSTER_SIZE + 12);
+    let at_stage = read_all(&d);
+    let staged = d.stage_diff().unwrap();
+    assert_eq!(d.dirty_clusters(), 0);
+    assert_eq!(staged.bytes(), 4 * CLUSTER_SIZE + 512);
+    // The guest writes on: over a staged cluster and a new one.
+    write(&d, &[0xee; CS], CLUSTER_SIZE);
+    write(&d, &[0xdd; 10], 9 * CLUSTER_SIZE);
+    assert_eq!(d.dirty_clusters(), 2);
+
+    let files = LayerFiles::mapped(dir.path("data"), dir.path("map"));
+    let stats = staged
+        .write(&files.data, files.map.as_ref().unwrap())
+        .unwrap();
+    assert_eq!(stats.clusters, 5);
+    // Refused over existing files, which it leaves alone.
+    assert!(staged
+        .write(&files.data, files.map.as_ref().unwrap())
+        .is_err());
+    assert!(files.data.exists());
+    let frozen = dir.disk(vec![base_files.clone(), files.clone()], size);
+    assert!(read_all(&frozen) == at_stage);
+
+    // The next diff, on it, holds the writes after the staging.
+    let (next, stats) = dir.layer(&d, LayerKind::Diff);
+    assert_eq!(stats.clusters, 2);
+    let now = dir.disk(vec![base_files, files, next], size);
+    assert!(read_all(&now) == read_all(&d));
+}
