@@ -62,7 +62,14 @@ EOF
   local ok hang
   ok=$(grep -c '^result: iteration [0-9]* ok' "$log.out" || true)
   hang=$(grep -c '^result: iteration [0-9]* hang' "$log.out" || true)
-  say "boot $b (smp $s): $ok of $n ok, $hang hung, lab status $rc"
+  local why=""
+  case "$rc" in
+    0 | 1) ;;
+    # run.sh's verdict on a lab that did not finish (its kernel panicked,
+    # triple-faulted, locked up or froze): the emulated machine, not a guest.
+    *) why=" ($(grep -o "\(the lab's own kernel\|the emulated machine\|the lab ended\|timed out\)[^:;]*" "$log.err" | head -n 1))" ;;
+  esac
+  say "boot $b (smp $s): $ok of $n ok, $hang hung, lab status $rc$why"
 }
 
 b=1
@@ -114,10 +121,12 @@ total_ok=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]
 total_hang=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* hang' || true)
 total_err=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* errors' || true)
 lab_fail=$(cat "$out"/boot-*.rc | grep -vc '^[01]$' || true)
-say "done: $total_ok of $runs iterations ok, $total_hang hung, $total_err with data errors; $lab_fail boots where the lab itself failed"
+total_failed=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration [0-9]* failed' || true)
+total_run=$(cat "$out"/boot-*.out 2>/dev/null | grep -c '^result: iteration' || true)
+say "done: $total_run of $runs iterations ran: $total_ok ok, $total_hang hung, $total_err with data errors, $total_failed failed otherwise; $lab_fail boots where the lab itself failed (the rest of their iterations did not run)"
 for f in "$out"/boot-*.out; do
   grep -q '=== HANG' "$f" && say "hang dump: $f"
 done
-printf '{"bench":"restore-stress","runs":%d,"ok":%d,"hang":%d,"errors":%d,"lab_failures":%d,"smp":"%s","guest_cpus":%d}\n' \
-  "$runs" "$total_ok" "$total_hang" "$total_err" "$lab_fail" "$smp" "$guest_cpus"
+printf '{"bench":"restore-stress","runs":%d,"ran":%d,"ok":%d,"hang":%d,"errors":%d,"failed":%d,"lab_failures":%d,"smp":"%s","guest_cpus":%d}\n' \
+  "$runs" "$total_run" "$total_ok" "$total_hang" "$total_err" "$total_failed" "$lab_fail" "$smp" "$guest_cpus"
 [ "$total_ok" = "$runs" ]

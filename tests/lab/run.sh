@@ -23,8 +23,8 @@
 # Prints the script's output (between the lab's markers) on stdout and exits
 # with the script's status; 124 if the host-time limit passed, 125 if the lab
 # itself failed (no exit marker: the console is then printed on stderr), 126 if
-# the outer kernel panicked or locked up (it panics on a soft lockup rather
-# than hang), 127
+# the outer kernel panicked, triple-faulted or locked up (it panics on a soft
+# lockup rather than hang), 127
 # if the emulated machine froze (no heartbeat: not a test's own hang, which the
 # lab kernel would outlive).
 set -euo pipefail
@@ -166,6 +166,15 @@ if [ -z "$status" ]; then
   fi
   if grep -q 'soft lockup' "$tmp/console.txt"; then
     say "the lab's own kernel locked up (soft lockup: a failure of the emulated machine); console:"
+    cat "$tmp/console.txt" >&2
+    exit 126
+  fi
+  if grep -q '^Triple fault' "$tmp/qemu.log" 2>/dev/null; then
+    # QEMU (-d guest_errors) saw the outer machine triple-fault, and
+    # -no-reboot ended it: the lab's own kernel lost its stack or IDT, a
+    # failure of the emulated machine (its kernel's KVM under QEMU's nested
+    # SVM), not of a Sprout guest, whose triple fault ends only its VM.
+    say "the emulated machine triple-faulted (its own kernel: a failure of the emulated machine, not of a Sprout guest); console:"
     cat "$tmp/console.txt" >&2
     exit 126
   fi
