@@ -357,7 +357,7 @@ pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
     if let Some(d) = run.disk.as_ref().filter(|d| d.exists()) {
         check_ext4(d)?;
     }
-    vmm::arch::probe::check_linux_guests()?;
+    vmm::arch::probe::check_linux_guests_cached(&cache_dir())?;
 
     let disk = match &run.disk {
         Some(d) if d.exists() => d.clone(),

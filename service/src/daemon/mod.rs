@@ -281,7 +281,7 @@ pub fn main(args: DaemonArgs) -> ExitCode {
         )
         .try_init();
     if args.check_host {
-        return match vmm::arch::probe::check_linux_guests() {
+        return match vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir()) {
             Ok(()) => {
                 println!("this host's KVM runs Linux guests: sproutd serves them directly");
                 ExitCode::SUCCESS
@@ -354,7 +354,8 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     std::fs::create_dir_all(data_dir.join("vms"))
         .map_err(|e| DaemonError::DataDir(data_dir.clone(), e))?;
     let _lock = lock_data_dir(&data_dir)?;
-    let probe = vmm::arch::probe::check_linux_guests().map_err(|e| error::chain(&e));
+    let probe = vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir())
+        .map_err(|e| error::chain(&e));
     // Where this KVM cannot run Linux guests, serve from the lab (unless
     // told not to); --lab serves from it anyway.
     if args.lab || (probe.is_err() && !args.no_lab) {

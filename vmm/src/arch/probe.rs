@@ -16,9 +16,11 @@
 //! anything else (an internal error, a triple fault, a wrong value) is the
 //! answer "no". It costs about one small VM creation (about 10 ms on this
 //! project's software KVM, where each memory-slot registration alone takes
-//! 5-6 ms; about 1 ms on hardware virtualization) and its result is cached
-//! for the life of the process.
+//! 5-6 ms; about 1 ms on hardware virtualization, more in the emulated lab)
+//! and its result is cached for the life of the process, and by
+//! [`check_linux_guests_cached`] for the rest of the host's boot.
 
+use std::path::Path;
 use std::sync::OnceLock;
 
 use devices::virtio::GuestMemoryMmap;
@@ -67,6 +69,127 @@ pub enum ProbeError {
 pub fn check_linux_guests() -> Result<(), ProbeError> {
     static ANSWER: OnceLock<Result<(), ProbeError>> = OnceLock::new();
     ANSWER.get_or_init(probe).clone()
+}
+
+/// [`check_linux_guests`], with the verdict also kept in `dir` (a cache
+/// directory) for later processes on this host boot: it is bound to the boot
+/// (`/proc/sys/kernel/random/boot_id`), the running kernel, the `/dev/kvm`
+/// device node (a reloaded KVM module makes a new one) and the CPU, and
+/// trusted only in a file of this user's that nobody else can write, so a
+/// different KVM, a reboot or a tampered file means a new probe. A verdict
+/// that could not be reached (KVM did not open) is not kept.
+pub fn check_linux_guests_cached(dir: &Path) -> Result<(), ProbeError> {
+    static ANSWER: OnceLock<Result<(), ProbeError>> = OnceLock::new();
+    ANSWER
+        .get_or_init(|| match host_key() {
+            Some(key) => cached(&dir.join(CACHE_FILE), &key, probe),
+            None => probe(),
+        })
+        .clone()
+}
+
+/// The cache file of [`check_linux_guests_cached`] in its directory.
+const CACHE_FILE: &str = "linux-probe";
+
+/// What the cached verdict is bound to, one line; `None` if something to
+/// bind it to cannot be read (then nothing is cached).
+fn host_key() -> Option<String> {
+    use rustix::fs::{stat, FileType};
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let kvm = stat("/dev/kvm").ok()?;
+    if FileType::from_raw_mode(kvm.st_mode) != FileType::CharacterDevice {
+        return None;
+    }
+    let os = rustix::system::uname();
+    let v = std::arch::x86_64::__cpuid(0);
+    let (vendor, sig) = ([v.ebx, v.edx, v.ecx], std::arch::x86_64::__cpuid(1).eax);
+    let vendor: Vec<u8> = vendor.iter().flat_map(|w| w.to_le_bytes()).collect();
+    Some(format!(
+        "sprout-probe {} boot={} kernel={} {} kvm={}:{}:{}.{} cpu={}:{sig:#x}",
+        env!("CARGO_PKG_VERSION"),
+        boot.trim(),
+        os.release().to_string_lossy(),
+        os.version().to_string_lossy(),
+        kvm.st_rdev,
+        kvm.st_ino,
+        kvm.st_ctime,
+        kvm.st_ctime_nsec,
+        String::from_utf8_lossy(&vendor),
+    ))
+}
+
+/// The verdict in `file` if it is for `key` and trusted, else `probe`'s,
+/// written there (atomically) unless it is a set-up error.
+fn cached(
+    file: &Path,
+    key: &str,
+    probe: impl FnOnce() -> Result<(), ProbeError>,
+) -> Result<(), ProbeError> {
+    if let Some(v) = read_cached(file, key) {
+        log::debug!(
+            "KVM probe: verdict of this host boot read from {}",
+            file.display()
+        );
+        return v;
+    }
+    let verdict = probe();
+    let body = match &verdict {
+        Ok(()) => Some(format!("{key}\nok\n")),
+        Err(ProbeError::Unsupported(why)) => Some(format!("{key}\nno\n{why}\n")),
+        Err(ProbeError::Setup(_)) => None,
+    };
+    if let Some(body) = body {
+        if let Err(e) = write_cached(file, &body) {
+            log::debug!(
+                "KVM probe: cannot keep the verdict in {}: {e}",
+                file.display()
+            );
+        }
+    }
+    verdict
+}
+
+fn read_cached(file: &Path, key: &str) -> Option<Result<(), ProbeError>> {
+    use std::os::unix::fs::MetadataExt;
+    let f = std::fs::File::open(file).ok()?;
+    let m = f.metadata().ok()?;
+    // Ours, a regular file, and writable by nobody else.
+    if !m.is_file() || m.uid() != rustix::process::geteuid().as_raw() || m.mode() & 0o022 != 0 {
+        return None;
+    }
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut std::io::Read::take(f, 4096), &mut text).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != key {
+        return None;
+    }
+    match lines.next()? {
+        "ok" => Some(Ok(())),
+        "no" => Some(Err(ProbeError::Unsupported(lines.next()?.to_string()))),
+        _ => None,
+    }
+}
+
+fn write_cached(file: &Path, body: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let dir = file.parent().unwrap_or(Path::new("."));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let tmp = dir.join(format!(".{CACHE_FILE}.{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(&tmp)?;
+    f.write_all(body.as_bytes())?;
+    drop(f);
+    std::fs::rename(&tmp, file).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 // The probe's layout: code after the boot page tables, a 16-byte aligned
@@ -212,6 +335,54 @@ fn probe() -> Result<(), ProbeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A verdict is kept and read back for the same key; another key (a
+    /// reboot, another KVM), a file others can write, or garbage means a new
+    /// probe; a set-up failure is not kept.
+    #[test]
+    fn the_verdict_is_kept_per_key_and_only_when_trusted() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("sprout-probe-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let file = dir.join(CACHE_FILE);
+        let no = || Err(ProbeError::Unsupported("ring 0 is emulated".into()));
+        let never = || -> Result<(), ProbeError> { panic!("probed despite a kept verdict") };
+        assert!(cached(&file, "k1", no).is_err());
+        assert_eq!(
+            cached(&file, "k1", never),
+            Err(ProbeError::Unsupported("ring 0 is emulated".into()))
+        );
+        // Another key probes again, and its verdict replaces the old one.
+        assert_eq!(cached(&file, "k2", || Ok(())), Ok(()));
+        assert_eq!(cached(&file, "k2", never), Ok(()));
+        // Writable by others: not trusted.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(cached(&file, "k2", no).is_err());
+        assert!(
+            cached(&file, "k2", never).is_err(),
+            "the new verdict is kept"
+        );
+        // Garbage after the key: probed again.
+        std::fs::write(&file, "k2\nmaybe\n").unwrap();
+        assert_eq!(cached(&file, "k2", || Ok(())), Ok(()));
+        // A set-up error is returned, and the kept verdict stays.
+        let setup = || Err(ProbeError::Setup("no /dev/kvm".into()));
+        assert!(cached(&file, "k3", setup).is_err());
+        assert_eq!(cached(&file, "k2", never), Ok(()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_key_names_this_boot_and_this_kvm() {
+        let Some(key) = host_key() else {
+            return; // no /dev/kvm here
+        };
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+        assert!(key.contains(boot.trim()), "{key}");
+        assert!(key.contains(" kvm="), "{key}");
+        assert!(!key.contains('\n'));
+        assert_eq!(host_key().as_deref(), Some(key.as_str()));
+    }
 
     #[test]
     fn probe_code_fits_and_the_data_is_aligned() {
