@@ -94,13 +94,70 @@ timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G 
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
   -chardev "pipe,id=mon,path=$tmp/mon" -mon chardev=mon,mode=readline \
   -d cpu_reset,guest_errors -D "$tmp/qemu.log" \
-  -append "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.diag=$diag lab.printk=$printk" "${disk[@]}" </dev/null >"$console" 2>&1 &
+  -append "console=ttyS0 panic=-1 softlockup_panic=1 nokaslr quiet lab.diag=$diag lab.printk=$printk" "${disk[@]}" </dev/null >"$console" 2>&1 &
 qemu=$!
 # Keep the monitor's output drained (and kept), and a writer open on its input.
 # (Both FIFOs opened read-write: an open never waits for a QEMU that failed to start.)
 cat 0<>"$tmp/mon.out" >"$tmp/monitor.log" &
 monitor_reader=$!
 exec 8<>"$tmp/mon.in"
+# Says whose code each emulated CPU was running in QEMU's monitor output $1
+# (its "x /16xb $pc" lines): the bytes at its RIP are compared with the
+# guest kernel's own (a Sprout guest's, which links at a fixed address), and
+# the RIP is named in both kernels (the lab's boots with nokaslr).
+where_cpus_were() {
+  python3 - "$1" "$lab/outer.syms" "$lab/guest.syms" "$(cat "$lab/guest.vmlinux" 2>/dev/null)" <<'PY'
+import bisect, re, struct, sys
+
+def load(path):
+    try:
+        return sorted((int(l.split()[0], 16), l.split()[2]) for l in open(path) if len(l.split()) >= 3)
+    except OSError:
+        return None
+
+def name(syms, rip):
+    if not syms:
+        return "?"
+    i = bisect.bisect_right([a for a, _ in syms], rip) - 1
+    if i < 0 or rip - syms[i][0] > 0x10000:
+        return "-"
+    return "%s+%#x" % (syms[i][1], rip - syms[i][0])
+
+def elf_bytes(path, vaddr, n):
+    """n bytes of the ELF file at virtual address vaddr (PT_LOAD), or None."""
+    try:
+        f = open(path, "rb")
+    except OSError:
+        return None
+    h = f.read(64)
+    if h[:4] != b"\x7fELF" or h[4] != 2:
+        return None
+    phoff, = struct.unpack_from("<Q", h, 32)
+    phentsize, phnum = struct.unpack_from("<HH", h, 54)
+    for i in range(phnum):
+        f.seek(phoff + i * phentsize)
+        ty, _fl, off, va, _pa, filesz = struct.unpack("<IIQQQQ", f.read(40))
+        if ty == 1 and va <= vaddr and vaddr + n <= va + filesz:
+            f.seek(off + vaddr - va)
+            return f.read(n)
+    return None
+
+dump = open(sys.argv[1], errors="replace").read().replace("\r", "")
+outer, guest, vmlinux = load(sys.argv[2]), load(sys.argv[3]), sys.argv[4]
+for addr, hexes in re.findall(r"^([0-9a-f]{16}): ((?:0x[0-9a-f]{2} ?)+)$", dump, re.M):
+    rip = int(addr, 16)
+    got = bytes(int(b, 16) for b in hexes.split())
+    want = elf_bytes(vmlinux, rip, len(got)) if vmlinux else None
+    if want is None:
+        whose = "not in the guest kernel's image"
+    elif want == got:
+        whose = "the guest kernel's own code (a Sprout guest was running)"
+    else:
+        whose = "not the guest kernel's code (the lab's kernel, or a guest's user space)"
+    print("emulated CPU at %#x: %s; guest kernel %s, lab kernel %s" % (rip, whose, name(guest, rip), name(outer, rip)))
+PY
+}
+
 froze=0
 last_beats=0
 quiet=0
@@ -122,8 +179,13 @@ while kill -0 "$qemu" 2>/dev/null; do
       echo "info registers -a" >&8
       sleep 2
     done
+    for c in $(seq 0 $((smp - 1))); do
+      echo "cpu $c" >&8
+      echo 'x /16xb $pc' >&8
+    done
     sleep 1
     tr -d '\r' <"$tmp/monitor.log" | grep -E '^\*? *CPU #|^RIP=|^RAX=|^CR0=|^EFL|^CS ' >&2 || true
+    where_cpus_were "$tmp/monitor.log" >&2 || true
     [ -n "$log" ] && cp "$tmp/monitor.log" "$log.monitor"
     kill "$qemu" 2>/dev/null
     break
