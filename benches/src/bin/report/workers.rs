@@ -1,5 +1,7 @@
 //! Fork and restore across worker processes against the same in-process,
-//! in one run, on the test guest (1 vCPU, 512 MiB, 8 MiB of it written).
+//! in one run, on the test guest (1 vCPU, 512 MiB, 8 MiB of it written):
+//! fork(1), fork(4), fork(16) and fork(100), the children started in
+//! parallel from as many ready workers (or pre-built shells).
 //!
 //! Cross-process: the parent is a `sprout-worker` (this binary as `report
 //! worker`); each child is a ready worker started ahead of time (process,
@@ -87,8 +89,12 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
 
     let pool = ShellPool::new(SHAPE.vcpus, SHAPE.mem_mib);
     let opts = ForkOptions::new(&dir.0);
-    for n in [1usize, 4, 16] {
-        let reps = if n == 16 { runs.div_ceil(3) } else { runs };
+    for n in [1usize, 4, 16, 100] {
+        let reps = match n {
+            100 => runs.div_ceil(10).max(3),
+            16 => runs.div_ceil(3),
+            _ => runs,
+        };
         let (mut inproc, mut xproc) = (Vec::new(), Vec::new());
         for _ in 0..reps {
             // In-process, shells pre-built.
@@ -165,7 +171,7 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     );
 
     // Host memory of an idle child worker, whole process.
-    let n = 8;
+    let n = 16;
     let mut kids = ready(&cmd, &dir.0, n, &mut seq)?;
     let layer = parent.client.write_fork_layer(&dir.0)?;
     for k in &mut kids {
