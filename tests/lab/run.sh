@@ -221,7 +221,7 @@ if [ -z "$status" ]; then
     # a failure of the emulated machine, which no program of Sprout's can
     # cause in a correct kernel.
     say "the lab's own kernel panicked (a failure of the emulated machine, not of a Sprout guest):"
-    grep -E 'BUG:|Oops|Comm:|RIP:|Kernel panic' "$tmp/console.txt" | head -n 8 >&2
+    grep -m 8 -E 'BUG:|Oops|Comm:|RIP:|Kernel panic' "$tmp/console.txt" >&2 || true
     say "console:"
     cat "$tmp/console.txt" >&2
     exit 126
