@@ -5,9 +5,11 @@
 #
 # Usage: tests/lab/bench-boot.sh [BOOTS] [IMAGE]   (default: 12 boots, test image)
 # Each boot: sprout vm run --image IMAGE --cpus 1 --memory-mib 256 --exec true,
-# timed by sprout from Vm::start to the agent's first answer (the "agent ready"
-# log line), on the outer VM's clock, which is checked against host time.
-# Prints p50/p90/p99/min/max in milliseconds.
+# timed by sprout per phase (its log lines: process main to VM start, the
+# configuration's probe and disk copy, each step of Vm::create, VM start to
+# the agent's first answer), on the outer VM's clock, which is checked against
+# host time. Prints p50/p90/p99/min/max of each phase in milliseconds and the
+# phases of every boot over 3x the p50 to agent ready.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 boots=${1:-12}
@@ -22,8 +24,13 @@ cat >"$script" <<EOS
 start=\$(date +%s)
 i=0
 while [ \$i -lt $boots ]; do
-  RUST_LOG=service::linux=info sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
-    sed -n 's/.*agent ready \([0-9]*\) us after start.*/ready_us \1/p'
+  # One line per boot: every phase sprout logs (service::linux, vmm::create).
+  RUST_LOG=service::linux=debug,vmm::create=info sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
+    sed -n -e 's/.*KVM probe (or its kept verdict): \([0-9]*\) us.*/probe_us=\1/p' \
+      -e 's/.*writable disk copied from the template: \([0-9]*\) us.*/disk_us=\1/p' \
+      -e 's/.*vm created: \(.*\)/\1/p' \
+      -e 's/.*vm started \([0-9]*\) us after main: config \([0-9]*\) us.*/main_to_start_us=\1 config_us=\2/p' \
+      -e 's/.*agent ready \([0-9]*\) us after start.*/ready_us=\1/p' | tr '\n' ' ' | sed 's/^/boot /; s/\$/\n/'
   i=\$((i + 1))
 done
 echo "lab_clock_s \$((\$(date +%s) - start))"
@@ -32,14 +39,36 @@ say "$boots boots of the $image image in the lab (1 vCPU, 256 MiB)"
 SECONDS=0
 "$here/run.sh" --timeout $((120 + boots * 120)) "$script" >"$out"
 host_s=$SECONDS
-n=$(grep -c '^ready_us ' "$out" || true)
+n=$(grep -c '^boot .*ready_us=' "$out" || true)
 [ "$n" = "$boots" ] || { cat "$out" >&2; say "error: $n of $boots boots reported agent ready"; exit 1; }
 lab_s=$(sed -n 's/^lab_clock_s //p' "$out")
-grep '^ready_us ' "$out" | cut -d' ' -f2 | sort -n | awk -v host="$host_s" -v lab="$lab_s" '
-  { v[NR] = $1 / 1000 }
-  function pct(p,   i) { i = int((p / 100) * NR + 0.999999); if (i < 1) i = 1; if (i > NR) i = NR; return v[i] }
-  END {
-    printf "boot to agent ready, EMULATED hardware virtualization (QEMU TCG, nested SVM), %d boots\n", NR
-    printf "  p50 %.0f ms  p90 %.0f ms  p99 %.0f ms  min %.0f ms  max %.0f ms\n", pct(50), pct(90), pct(99), v[1], v[NR]
-    printf "  clock check: the boots took %s s on the lab clock; the whole lab run %s s of host time (outer boot included)\n", lab, host
-  }'
+python3 - "$out" "$host_s" "$lab_s" <<'PY'
+import re, sys
+boots = []
+for line in open(sys.argv[1]):
+    if line.startswith("boot "):
+        boots.append({k: int(v) / 1000 for k, v in re.findall(r"(\w+)_us=(\d+)", line)})
+
+def pct(v, p):
+    v = sorted(v)
+    return v[min(len(v) - 1, max(0, int(p / 100 * len(v) + 0.999999) - 1))]
+
+print("boot phases in ms, EMULATED hardware virtualization (QEMU TCG, nested SVM), %d boots" % len(boots))
+print("| phase | p50 | p90 | p99 | min | max |")
+print("| --- | --- | --- | --- | --- | --- |")
+keys = ["main_to_start", "config", "probe", "disk", "total", "kvm", "memory", "kernel", "devices", "vcpus", "threads", "ready"]
+names = {"main_to_start": "process main to VM start", "config": "configuration (probe, disk)",
+         "probe": "KVM probe (or kept verdict)", "disk": "writable disk copy", "total": "Vm::create",
+         "ready": "VM start to agent ready"}
+for k in keys:
+    v = [b[k] for b in boots if k in b]
+    if v:
+        print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f |" % (names.get(k, "create: " + k), pct(v, 50), pct(v, 90), pct(v, 99), min(v), max(v)))
+ready = [b["ready"] for b in boots]
+p50 = pct(ready, 50)
+slow = [(i, b) for i, b in enumerate(boots) if b["ready"] > 3 * p50]
+print("boots over 3x the p50 (%.0f ms) to agent ready: %d" % (p50, len(slow)))
+for i, b in slow:
+    print("  boot %d: %s" % (i + 1, " ".join("%s=%.0f" % (k, b[k]) for k in keys if k in b)))
+print("clock check: the boots took %s s on the lab clock; the whole lab run %s s of host time (outer boot included)" % (sys.argv[3], sys.argv[2]))
+PY

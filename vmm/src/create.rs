@@ -30,22 +30,27 @@ impl Vm {
     /// instruction; [`Vm::resume`] starts them.
     pub fn create(config: VmConfig) -> Result<Vm, VmError> {
         config.validate()?;
+        let mut phases = Phases::new();
         let base = VmBase::new(config.vcpus, None)?;
         let supported = base
             .kvm()
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
         let has_pit = base.caps().pit2;
+        phases.mark("kvm");
         let ram = memory::create(config.mem_mib << 20)?;
         let mut b = base.set_memory(ram)?;
+        phases.mark("memory");
         let kernel = kernel::load(b.memory(), &config.kernel)?;
         boot::write_boot_tables(b.memory())?;
+        phases.mark("kernel");
 
         let mut src = BootDevices {
             config: &config,
             entry: kernel.kind,
         };
         let (devices, mailbox) = b.attach_devices(&mut src)?;
+        phases.mark("devices");
 
         let mut cmdline = config.cmdline.trim().to_string();
         for d in b.cmdline_devices() {
@@ -69,15 +74,54 @@ impl Vm {
             regs::setup_vcpu(fd, i, kernel.entry, kernel.kind)?;
             Ok(())
         })?;
+        phases.mark("vcpus");
         let lineage = Lineage::new(config.instance_id.unwrap_or_else(new_instance_id));
-        b.finish(Parts {
+        let vm = b.finish(Parts {
             devices,
             mailbox,
             entry: kernel.kind,
             has_pit,
             lineage,
             config,
-        })
+        })?;
+        phases.mark("threads");
+        // tests/lab/bench-boot.sh reads this line (a slow boot says where).
+        log::info!("vm created: {phases}");
+        Ok(vm)
+    }
+}
+
+/// Wall time per step of [`Vm::create`], for the log.
+struct Phases {
+    last: std::time::Instant,
+    start: std::time::Instant,
+    done: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Phases {
+    fn new() -> Self {
+        let now = std::time::Instant::now();
+        Self {
+            last: now,
+            start: now,
+            done: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, what: &'static str) {
+        let now = std::time::Instant::now();
+        self.done.push((what, now - self.last));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "total_us={}", (self.last - self.start).as_micros())?;
+        for (what, d) in &self.done {
+            write!(f, " {what}_us={}", d.as_micros())?;
+        }
+        Ok(())
     }
 }
 

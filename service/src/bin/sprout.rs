@@ -423,6 +423,7 @@ fn api(a: ApiArgs) -> ExitCode {
 }
 
 fn main() -> ExitCode {
+    service::linux::mark_process_start();
     let cli = Cli::parse();
     match cli.cmd {
         // sproutd logs with tracing.
