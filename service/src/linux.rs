@@ -332,8 +332,13 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     // tests/lab/bench-boot.sh reads this line: process start to the VM's
     // start, and the configuration's part of it (probe, writable disk).
     log::info!(
-        "vm started {} us after main: config {config_us} us, start {} us",
-        PROCESS_START.get().map_or(0, |p| p.elapsed().as_micros()),
+        "vm started {} after main: config {config_us} us, start {} us",
+        PROCESS_START
+            .get()
+            .map_or("unknown time".into(), |p| format!(
+                "{} us",
+                p.elapsed().as_micros()
+            )),
         started.elapsed().as_micros()
     );
     let code = finish(

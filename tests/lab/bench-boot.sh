@@ -25,7 +25,7 @@ start=\$(date +%s)
 i=0
 while [ \$i -lt $boots ]; do
   # One line per boot: every phase sprout logs (service::linux, vmm::create).
-  RUST_LOG=service::linux=debug,vmm::create=info sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
+  RUST_LOG=service::linux=debug,vmm::create=debug sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
     sed -n -e 's/.*KVM probe (or its kept verdict): \([0-9]*\) us.*/probe_us=\1/p' \
       -e 's/.*writable disk copied from the template: \([0-9]*\) us.*/disk_us=\1/p' \
       -e 's/.*vm created: \(.*\)/\1/p' \

@@ -86,7 +86,7 @@ impl Vm {
         })?;
         phases.mark("threads");
         // tests/lab/bench-boot.sh reads this line (a slow boot says where).
-        log::info!("vm created: {phases}");
+        log::debug!("vm created: {phases}");
         Ok(vm)
     }
 }

@@ -268,16 +268,16 @@ impl Vm {
             .map_err(SnapshotError::from)
             .and_then(|()| self.snapshot_paused(w, kind, !fork_layer, &mut dirty_taken));
         self.event_loop.resume();
-        if running {
-            self.resume().map_err(SnapshotError::Resume)?;
-        }
-        self.last_pause = paused_at.elapsed();
-        self.last_staged = match &res {
-            Ok(c) => c.staged_bytes(),
-            Err(_) => 0,
+        let resumed = if running {
+            self.resume().map_err(SnapshotError::Resume)
+        } else {
+            Ok(())
         };
+        self.last_pause = paused_at.elapsed();
+        let staged = res.as_ref().map_or(0, Captured::staged_bytes);
+        self.last_staged = 0;
         // A staged diff is written and fsynced now, with the guest running.
-        let res = res.and_then(Captured::finish).and_then(|s| {
+        let res = resumed.and(res).and_then(Captured::finish).and_then(|s| {
             let lease = if fork_layer {
                 Some(crate::lease::LayerLease::create(s.dir())?)
             } else {
@@ -288,6 +288,7 @@ impl Vm {
         match res {
             Ok((s, lease)) => {
                 self.lineage.wrote(s, kind, lease);
+                self.last_staged = staged;
                 Ok(())
             }
             Err(e) => {

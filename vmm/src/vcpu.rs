@@ -536,9 +536,9 @@ fn fault_state(fd: &VcpuFd) -> String {
     }
     match fd.get_sregs() {
         Ok(s) => out.push(format!(
-            "cs={:#x} cpl={} cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x} idt={:#x}/{:#x} gdt={:#x}/{:#x} tr={:#x}",
+            "cs={:#x} ss.dpl={} cr0={:#x} cr2={:#x} cr3={:#x} cr4={:#x} efer={:#x} idt={:#x}/{:#x} gdt={:#x}/{:#x} tr={:#x}",
             s.cs.selector,
-            s.cs.dpl,
+            s.ss.dpl,
             s.cr0,
             s.cr2,
             s.cr3,

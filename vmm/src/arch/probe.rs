@@ -90,6 +90,9 @@ pub fn check_linux_guests_cached(dir: &Path) -> Result<(), ProbeError> {
 
 /// The cache file of [`check_linux_guests_cached`] in its directory.
 const CACHE_FILE: &str = "linux-probe";
+/// Part of the cache key: bump it when the probe changes what it tests, so
+/// that no verdict of the old probe is reused.
+const PROBE_REVISION: u32 = 1;
 
 /// What the cached verdict is bound to, one line; `None` if something to
 /// bind it to cannot be read (then nothing is cached).
@@ -105,7 +108,7 @@ fn host_key() -> Option<String> {
     let (vendor, sig) = ([v.ebx, v.edx, v.ecx], std::arch::x86_64::__cpuid(1).eax);
     let vendor: Vec<u8> = vendor.iter().flat_map(|w| w.to_le_bytes()).collect();
     Some(format!(
-        "sprout-probe {} boot={} kernel={} {} kvm={}:{}:{}.{} cpu={}:{sig:#x}",
+        "sprout-probe {} r{PROBE_REVISION} boot={} kernel={} {} kvm={}:{}:{}.{} cpu={}:{sig:#x}",
         env!("CARGO_PKG_VERSION"),
         boot.trim(),
         os.release().to_string_lossy(),
@@ -130,7 +133,13 @@ fn cached(
             "KVM probe: verdict of this host boot read from {}",
             file.display()
         );
-        return v;
+        return v.map_err(|e| match e {
+            ProbeError::Unsupported(why) => ProbeError::Unsupported(format!(
+                "{why} (the verdict of this host boot's probe, kept in {}: delete it to probe again)",
+                file.display()
+            )),
+            e => e,
+        });
     }
     let verdict = probe();
     let body = match &verdict {
@@ -151,7 +160,13 @@ fn cached(
 
 fn read_cached(file: &Path, key: &str) -> Option<Result<(), ProbeError>> {
     use std::os::unix::fs::MetadataExt;
-    let f = std::fs::File::open(file).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not through a symlink, and never blocking on a FIFO put there.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(file)
+        .ok()?;
     let m = f.metadata().ok()?;
     // Ours, a regular file, and writable by nobody else.
     if !m.is_file() || m.uid() != rustix::process::geteuid().as_raw() || m.mode() & 0o022 != 0 {
@@ -179,10 +194,12 @@ fn write_cached(file: &Path, body: &str) -> std::io::Result<()> {
         .mode(0o700)
         .create(dir)?;
     let tmp = dir.join(format!(".{CACHE_FILE}.{}", std::process::id()));
+    // A new file of ours (a leftover of a process with our pid is removed,
+    // never followed or truncated through).
+    let _ = std::fs::remove_file(&tmp);
     let mut f = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(0o644)
         .open(&tmp)?;
     f.write_all(body.as_bytes())?;
@@ -300,6 +317,10 @@ fn probe() -> Result<(), ProbeError> {
             "KVM could not enter the long-mode test vCPU (hardware entry failure {reason:#x})"
         )),
         Ok(other) => Some(format!("an unexpected exit ({other:?})")),
+        // Interrupted, or short of memory: no verdict (and none to keep).
+        Err(e) if [libc::EINTR, libc::EAGAIN, libc::ENOMEM].contains(&e.errno()) => {
+            return Err(ProbeError::Setup(format!("KVM_RUN: {e}")));
+        }
         Err(e) => Some(format!("KVM_RUN failing ({e})")),
     };
     let verdict = match exit {
@@ -348,10 +369,16 @@ mod tests {
         let no = || Err(ProbeError::Unsupported("ring 0 is emulated".into()));
         let never = || -> Result<(), ProbeError> { panic!("probed despite a kept verdict") };
         assert!(cached(&file, "k1", no).is_err());
-        assert_eq!(
-            cached(&file, "k1", never),
-            Err(ProbeError::Unsupported("ring 0 is emulated".into()))
-        );
+        match cached(&file, "k1", never) {
+            Err(ProbeError::Unsupported(why)) => {
+                assert!(
+                    why.starts_with("ring 0 is emulated (the verdict of this host boot"),
+                    "{why}"
+                );
+                assert!(why.contains(&file.display().to_string()), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
         // Another key probes again, and its verdict replaces the old one.
         assert_eq!(cached(&file, "k2", || Ok(())), Ok(()));
         assert_eq!(cached(&file, "k2", never), Ok(()));
