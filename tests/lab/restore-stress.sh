@@ -153,6 +153,11 @@ iteration() {
   wait_ctl /tmp/orig.sock || { echo "no control socket"; tail -n 30 /tmp/orig.console; return 3; }
   step "boot: the agent answers" sprout vm exec --api-sock /tmp/orig.sock \
     --put /lab/inflight.py:inflight.py --exec 'echo agent: up' || return $?
+  if [ "$it" = 1 ]; then
+    # Whether the guest kernel uses paravirtual spinlocks (it needs
+    # KVM_FEATURE_PV_UNHALT from the lab's KVM).
+    ex /tmp/orig.sock 'dmesg | grep -i -m 3 "spinlock\|kvm-guest\|pv"' || true
+  fi
   if [ "${SELFTEST:-0}" = 1 ] && [ "$it" = 1 ]; then
     # The checker's negative control: it must find the two bad blocks.
     step "selftest" sprout vm exec --api-sock /tmp/orig.sock --exec \
