@@ -104,9 +104,9 @@ exec 8<>"$tmp/mon.in"
 # Says whose code each emulated CPU was running in QEMU's monitor output $1
 # (its "x /16xb $pc" lines): the bytes at its RIP are compared with the
 # guest kernel's own (a Sprout guest's, which links at a fixed address), and
-# the RIP is named in both kernels (the lab's boots with nokaslr).
+# the RIP is named in the guest kernel.
 where_cpus_were() {
-  python3 - "$1" "$lab/outer.syms" "$lab/guest.syms" "$(cat "$lab/guest.vmlinux" 2>/dev/null)" <<'PY'
+  python3 - "$1" "$lab/guest.syms" "$(cat "$lab/guest.vmlinux" 2>/dev/null)" <<'PY'
 import bisect, re, struct, sys
 
 def load(path):
@@ -143,7 +143,7 @@ def elf_bytes(path, vaddr, n):
     return None
 
 dump = open(sys.argv[1], errors="replace").read().replace("\r", "")
-outer, guest, vmlinux = load(sys.argv[2]), load(sys.argv[3]), sys.argv[4]
+guest, vmlinux = load(sys.argv[2]), sys.argv[3]
 for addr, hexes in re.findall(r"^([0-9a-f]{16}): ((?:0x[0-9a-f]{2} ?)+)$", dump, re.M):
     rip = int(addr, 16)
     got = bytes(int(b, 16) for b in hexes.split())
@@ -154,7 +154,7 @@ for addr, hexes in re.findall(r"^([0-9a-f]{16}): ((?:0x[0-9a-f]{2} ?)+)$", dump,
         whose = "the guest kernel's own code (a Sprout guest was running)"
     else:
         whose = "not the guest kernel's code (the lab's kernel, or a guest's user space)"
-    print("emulated CPU at %#x: %s; guest kernel %s, lab kernel %s" % (rip, whose, name(guest, rip), name(outer, rip)))
+    print("emulated CPU at %#x: %s (guest kernel symbol there: %s)" % (rip, whose, name(guest, rip)))
 PY
 }
 
