@@ -527,6 +527,13 @@ fn triple_fault(index: u8, fd: &VcpuFd, ctx: &VcpuContext) {
 /// A one-line account of a vCPU's state at a triple fault.
 fn fault_state(fd: &VcpuFd) -> String {
     let mut out = Vec::new();
+    // AMD's KVM reinitializes a vCPU when it intercepts a shutdown (the VMCB
+    // is undefined after one): what it reports then is the reset state.
+    let reset = fd.get_regs().is_ok_and(|r| r.rip == 0xfff0)
+        && fd.get_sregs().is_ok_and(|s| s.cs.selector == 0xf000);
+    if reset {
+        out.push("state lost: KVM reset the vCPU at the shutdown (as AMD's does);".to_string());
+    }
     match fd.get_regs() {
         Ok(r) => out.push(format!(
             "rip={:#x} rsp={:#x} rflags={:#x} rax={:#x}",
