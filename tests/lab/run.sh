@@ -153,8 +153,15 @@ for addr, hexes in re.findall(r"^([0-9a-f]{16}): ((?:0x[0-9a-f]{2} ?)+)$", dump,
     elif want == got:
         whose = "the guest kernel's own code (a Sprout guest was running)"
     else:
-        whose = "not the guest kernel's code (the lab's kernel, or a guest's user space)"
+        whose = "the bytes QEMU read there are not the guest kernel's (the lab kernel's code, a guest's user space, or memory read through a nested guest's page tables as if they were the lab's)"
     print("emulated CPU at %#x: %s (guest kernel symbol there: %s)" % (rip, whose, name(guest, rip)))
+# QEMU reads memory through the CPU's CR3 as if it were the lab's own page
+# table: in a nested guest (whose CR3 is a guest-physical address) it
+# cannot, which itself says the CPU was not in the lab's kernel.
+for addr in re.findall(r"^([0-9a-f]{16}): Cannot access memory", dump, re.M):
+    rip = int(addr, 16)
+    print("emulated CPU at %#x: its page tables are not the lab kernel's (QEMU cannot read its code through them: "
+          "a nested guest was running); guest kernel symbol there: %s" % (rip, name(guest, rip)))
 PY
 }
 
