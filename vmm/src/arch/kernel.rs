@@ -59,7 +59,6 @@ pub fn load(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, KernelEr
         Ok(None) => return Err(KernelError::NotElf(path.to_owned())),
         Err(e) => return Err(KernelError::Read(path.to_owned(), e)),
     };
-    populate_segments(mem, &mut f);
     let r = Elf::load(mem, None, &mut f, Some(GuestAddress(layout::HIMEM_START)))
         .map_err(|e| KernelError::Load(path.to_owned(), e))?;
     Ok(LoadedKernel {
@@ -67,57 +66,6 @@ pub fn load(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, KernelEr
         end: r.kernel_end,
         kind,
     })
-}
-
-/// Allocates the guest pages the kernel's loadable segments will occupy, in
-/// one `MADV_POPULATE_WRITE` per segment, before the loader copies them in:
-/// the copy then takes no page fault per page (about 2,600 of them for a 10
-/// MiB kernel, each costly where the host kernel is itself emulated, as in
-/// the lab: issue 13, where loading the kernel was most of a boot's start).
-/// Best effort: a header it cannot read, a segment outside guest RAM or a
-/// host kernel without the advice (before 5.14) just leaves the faults to
-/// the copy, and the loader checks the headers itself.
-fn populate_segments<F: Read + Seek>(mem: &GuestMemoryMmap, f: &mut F) {
-    use vm_memory::GuestMemoryBackend;
-    let mut eh = [0u8; 64];
-    if f.seek(SeekFrom::Start(0)).is_err() || f.read_exact(&mut eh).is_err() {
-        return;
-    }
-    let (phoff, phnum) = (u64_at(&eh, 32), u16_at(&eh, 56).min(MAX_PHDRS));
-    let mut ph = vec![0u8; 56 * phnum as usize];
-    if f.seek(SeekFrom::Start(phoff)).is_err() || f.read_exact(&mut ph).is_err() {
-        return;
-    }
-    for p in ph.chunks_exact(56) {
-        if u32_at(p, 0) != 1 {
-            continue; // not PT_LOAD
-        }
-        let (paddr, memsz) = (u64_at(p, 24), u64_at(p, 40));
-        let Ok(len) = usize::try_from(memsz) else {
-            continue;
-        };
-        let Ok(slice) = mem.get_slice(GuestAddress(paddr), len) else {
-            continue;
-        };
-        if len == 0 {
-            continue;
-        }
-        let guard = slice.ptr_guard_mut();
-        let start = guard.as_ptr() as usize;
-        // madvise wants a page-aligned start.
-        let aligned = start & !(layout::PAGE_SIZE as usize - 1);
-        // SAFETY: [aligned, start + len) lies within one mapped region of
-        // guest memory (get_slice checked the range; the region is page
-        // aligned), which stays mapped while `guard` lives; the advice only
-        // allocates its pages, keeping their contents (zeros here).
-        let _ = unsafe {
-            libc::madvise(
-                aligned as *mut libc::c_void,
-                start + len - aligned,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-    }
 }
 
 fn u16_at(b: &[u8], o: usize) -> u16 {
