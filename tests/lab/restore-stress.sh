@@ -68,14 +68,21 @@ dump() {
 }
 
 # Runs "$@" (a program, not a function) under the step limit; on a timeout, dumps and returns 124.
+# Status 1 is "data errors" only if the checker said so (errors=N, N > 0, in
+# its status line): a VM that is gone (its sprout cannot connect) also makes
+# sprout vm exec exit 1, and is a failure (3), not a data error.
 step() {
   what=$1
   shift
-  timeout -s KILL "$STEP_TIMEOUT" "$@"
+  timeout -s KILL "$STEP_TIMEOUT" "$@" >/tmp/step.out 2>&1
   rc=$?
+  cat /tmp/step.out
   if [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
     dump "$what"
     return 124
+  fi
+  if [ "$rc" = 1 ] && ! grep -q 'errors=[1-9]' /tmp/step.out; then
+    return 3
   fi
   return "$rc"
 }
