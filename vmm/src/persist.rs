@@ -363,14 +363,23 @@ impl Vm {
         *dirty_taken = true;
         let dirty = memory::take_dirty(&self.vm, &self.ram.mem)?;
         let view = RamView { ram: &self.ram };
-        if kind == SnapshotKind::Diff && may_stage {
-            let bits = DirtyBitmap::from_words(dirty, self.ram.size / snapshot::PAGE_SIZE as u64)?;
-            let disk_bytes: u64 = layered
-                .iter()
-                .map(|(_, l)| l.dirty_clusters() * CLUSTER_SIZE)
-                .sum();
-            if bits.count() * snapshot::PAGE_SIZE as u64 + disk_bytes <= STAGE_LIMIT {
-                let ram = StagedPages::capture(&view, &bits)?;
+        let bits = match kind {
+            SnapshotKind::Full => None,
+            SnapshotKind::Diff => Some(DirtyBitmap::from_words(
+                dirty,
+                self.ram.size / snapshot::PAGE_SIZE as u64,
+            )?),
+        };
+        let disk_bytes: u64 = layered
+            .iter()
+            .map(|(_, l)| l.dirty_clusters() * CLUSTER_SIZE)
+            .sum();
+        match bits {
+            Some(dirty)
+                if may_stage
+                    && dirty.count() * snapshot::PAGE_SIZE as u64 + disk_bytes <= STAGE_LIMIT =>
+            {
+                let ram = StagedPages::capture(&view, &dirty)?;
                 let disks = layered
                     .iter()
                     .map(|(i, l)| {
@@ -379,23 +388,15 @@ impl Vm {
                             .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                return Ok(Captured::Staged {
+                Ok(Captured::Staged {
                     w,
                     ram,
-                    dirty: bits,
+                    dirty,
                     disks,
-                });
+                })
             }
-            return self.write_paused(w, kind, &view, Some(bits), &layered);
+            bits => self.write_paused(w, kind, &view, bits, &layered),
         }
-        let bits = match kind {
-            SnapshotKind::Full => None,
-            SnapshotKind::Diff => Some(DirtyBitmap::from_words(
-                dirty,
-                self.ram.size / snapshot::PAGE_SIZE as u64,
-            )?),
-        };
-        self.write_paused(w, kind, &view, bits, &layered)
     }
 
     /// Writes the paused VM's layers into `w` and commits it.
