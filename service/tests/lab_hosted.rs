@@ -34,6 +34,37 @@ fn qemus_on(disk: &Path) -> Vec<u32> {
     out
 }
 
+/// A new API key and its SHA-256 (`sproutd --new-key`).
+fn new_key() -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .arg("--new-key")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let err = String::from_utf8(out.stderr).unwrap();
+    let sha = err
+        .split("sha256 = \"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap_or_else(|| panic!("no sha256: {err}"))
+        .to_owned();
+    (key, sha)
+}
+
+fn keyed(key: &str) -> Client {
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {key}").parse().unwrap(),
+    );
+    Client::builder()
+        .default_headers(h)
+        .timeout(Duration::from_secs(600))
+        .build()
+        .unwrap()
+}
+
 fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
@@ -138,10 +169,37 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     );
 
     eprintln!("[{:?}] the lab stopped; starting it again", t0.elapsed());
-    // Started again on the same data directory: the registry was kept on
-    // the data disk. The sandbox's VM did not outlive the lab: failed, with
-    // the reason.
-    let h = Hosted::start(&lab, &data);
+    // Started again on the same data directory, now with a tenants file
+    // (copied into the lab): its tenant `default` owns what single-tenant
+    // mode made. The registry was kept on the data disk. The sandbox's VM
+    // did not outlive the lab: failed, with the reason.
+    let key = new_key();
+    let tenants = t.path().join("tenants.toml");
+    let line = |revoked: bool| {
+        format!(
+            "[[tenant]]\nname = \"default\"\nmax_execs = 1\nkeys = [{{ sha256 = \"{}\", \
+             revoked = {revoked} }}]\n",
+            key.1
+        )
+    };
+    std::fs::write(&tenants, line(false)).unwrap();
+    let tf = tenants.to_str().unwrap();
+    let h = Hosted::start_with(
+        &lab,
+        &data,
+        2048,
+        &[
+            "--max-execs-per-vm",
+            "7",
+            "--max-execs",
+            "77",
+            "--tenants",
+            tf,
+        ],
+    );
+    let r = c.get(h.url("/v1/runtime/vms")).send().await.unwrap();
+    assert_eq!(r.status(), 401, "no key");
+    let c = keyed(&key.0);
     let list: Value = c
         .get(h.url("/v1/runtime/vms?metadata.run=first"))
         .send()
@@ -160,6 +218,52 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     let second = v["vmId"].as_str().unwrap().to_owned();
     let v = exec(&c, &h, &second, "/bin/sh", &["-c", "echo again; uname -s"]).await;
     assert_eq!(v["stdout"], "again\nLinux\n", "{v}");
+    // The tenant's exec limit (1): a second exec while one runs is 429.
+    let long = {
+        let (c, url) = (c.clone(), h.url(&format!("/v1/runtime/vms/{second}/exec")));
+        tokio::spawn(async move {
+            c.post(url)
+                .json(&json!({"command": "sleep", "argv": ["20"]}))
+                .send()
+                .await
+        })
+    };
+    let in_flight = |n: u64| {
+        let (c, url) = (c.clone(), h.url("/v1/info"));
+        async move {
+            let t = Instant::now();
+            loop {
+                let v: Value = c.get(&url).send().await.unwrap().json().await.unwrap();
+                if v["execLimits"]["inFlight"] == n {
+                    return;
+                }
+                assert!(t.elapsed() < Duration::from_secs(120), "{v}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    in_flight(1).await;
+    let (st, v) = post(
+        &c,
+        &h,
+        &format!("/v1/runtime/vms/{second}/exec"),
+        json!({"command": "true"}),
+    )
+    .await;
+    assert_eq!(st, 429, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_execs"),
+        "{v}"
+    );
+    // Once it ends, the next one is admitted.
+    let r = long.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+    in_flight(0).await;
+    let v = exec(&c, &h, &second, "true", &[]).await;
+    assert_eq!(v["exitCode"], 0, "{v}");
     for id in [&first, &second] {
         let r = c
             .delete(h.url(&format!("/v1/runtime/vms/{id}")))
@@ -167,6 +271,26 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
             .await
             .unwrap();
         assert!(r.status().is_success(), "delete {id}: {}", r.status());
+    }
+
+    // A SIGHUP to this sproutd gives the lab's the file again: a revoked
+    // key is refused without a restart.
+    std::fs::write(&tenants, line(true)).unwrap();
+    Command::new("kill")
+        .args(["-HUP", &h.child.id().to_string()])
+        .status()
+        .unwrap();
+    let t1 = Instant::now();
+    loop {
+        let r = c.get(h.url("/v1/info")).send().await.unwrap();
+        if r.status() == 401 {
+            break;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(120),
+            "the key was not revoked"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
     // kill -9 of sproutd takes the lab with it (no QEMU is left behind).

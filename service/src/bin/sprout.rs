@@ -61,6 +61,10 @@ struct ApiArgs {
     /// Another request header, `NAME: VALUE` (repeatable).
     #[arg(long)]
     header: Vec<String>,
+    /// The API key of a sproutd run with --tenants (sent as
+    /// `Authorization: Bearer KEY`).
+    #[arg(long, env = "SPROUT_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Print the answer's status line and headers before its body.
     #[arg(short, long)]
     include: bool,
@@ -394,6 +398,9 @@ fn api(a: ApiArgs) -> ExitCode {
     let mut headers = a.header.clone();
     if let Some(acc) = &a.accept {
         headers.push(format!("Accept: {acc}"));
+    }
+    if let Some(k) = a.api_key.as_deref().filter(|k| !k.is_empty()) {
+        headers.push(format!("Authorization: Bearer {k}"));
     }
     let req = service::daemon::api_client::Request {
         addr: &a.addr,

@@ -28,6 +28,13 @@ pub enum Code {
     PayloadTooLarge,
     /// No such route.
     NotFound,
+    /// No API key, or one that is not known or was revoked (with
+    /// `--tenants`).
+    Unauthorized,
+    /// The tenant's key may not do this (`/metrics` needs an operator's).
+    Forbidden,
+    /// Every sandbox slot of the tenant is held: free one first.
+    QuotaExhausted,
     MethodNotAllowed,
     /// No sandbox has this id.
     VmNotFound,
@@ -104,7 +111,9 @@ impl Code {
             | Self::FileError => StatusCode::BAD_REQUEST,
             Self::FileNotFound => StatusCode::NOT_FOUND,
             Self::FileConflict => StatusCode::CONFLICT,
-            Self::PermissionDenied => StatusCode::FORBIDDEN,
+            Self::PermissionDenied | Self::Forbidden => StatusCode::FORBIDDEN,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::QuotaExhausted => StatusCode::PAYMENT_REQUIRED,
             Self::Busy | Self::TooManyRequests => StatusCode::TOO_MANY_REQUESTS,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -127,7 +136,7 @@ impl Code {
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 35] = [
+    pub const ALL: [Code; 38] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -139,6 +148,9 @@ impl Code {
         Self::InvalidPath,
         Self::NotText,
         Self::FileError,
+        Self::Unauthorized,
+        Self::QuotaExhausted,
+        Self::Forbidden,
         Self::NotFound,
         Self::ProcessNotFound,
         Self::FileNotFound,
@@ -188,6 +200,9 @@ impl Code {
             Self::NotText => "File content that is not UTF-8 text",
             Self::FileError => "Any other refusal of a file operation by the agent",
             Self::NotFound => "No such route",
+            Self::Unauthorized => "No API key, or one not known or revoked (sproutd --tenants): send Authorization: Bearer KEY",
+            Self::Forbidden => "The tenant's key may not do this (/metrics needs an operator tenant's)",
+            Self::QuotaExhausted => "Every sandbox slot of the tenant is held: pause, sleep, hibernate or delete a sandbox first",
             Self::ProcessNotFound => "No background process of the sandbox has this id",
             Self::FileNotFound => "No such file or directory in the sandbox",
             Self::VmNotFound => "No sandbox has this id (also for an id that is not a UUID)",
@@ -219,6 +234,7 @@ impl Code {
     pub fn for_status(status: StatusCode) -> Self {
         match status {
             StatusCode::NOT_FOUND => Self::NotFound,
+            StatusCode::UNAUTHORIZED => Self::Unauthorized,
             StatusCode::METHOD_NOT_ALLOWED => Self::MethodNotAllowed,
             StatusCode::PAYLOAD_TOO_LARGE => Self::PayloadTooLarge,
             StatusCode::UNSUPPORTED_MEDIA_TYPE => Self::UnsupportedMediaType,

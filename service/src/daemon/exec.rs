@@ -23,6 +23,7 @@ use super::openapi::errors;
 use super::registry::Sandbox;
 use super::routes::{check_env, ApiJson};
 use super::supervisor::describe;
+use super::tenants::Caller;
 use super::App;
 
 /// Most bytes of each output stream a buffered exec returns.
@@ -165,6 +166,7 @@ errors!(
         Busy,
         TooManyRequests,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -194,18 +196,22 @@ errors!(
     ))]
 pub async fn exec(
     State(app): State<Arc<App>>,
+    caller: Caller,
     limits: axum::Extension<Arc<ExecLimits>>,
     Path(id): Path<String>,
     headers: HeaderMap,
     ApiJson(req): ApiJson<ExecReq>,
 ) -> Result<Response, ApiError> {
     let stdin = check(&req)?;
-    let super::lifecycle::Live { s, agent, busy } = app.live(&id).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&caller, &id).await?;
     // Held until the answer is complete (a background process: while it
     // starts); refused at once over the limits.
-    let slot = limits.try_acquire(s.id).inspect_err(|e| {
-        tracing::info!(vm = %s.id, "exec refused: {}", e.message);
-    })?;
+    let policy = app.tenants.policy(&s.tenant);
+    let slot = limits
+        .try_acquire(s.id, &s.tenant, policy.max_execs)
+        .inspect_err(|e| {
+            tracing::info!(vm = %s.id, "exec refused: {}", e.message);
+        })?;
     // The sandbox's env, then the request's on top.
     let mut env = s.env.clone();
     env.extend(req.env);

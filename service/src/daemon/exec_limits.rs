@@ -64,6 +64,7 @@ impl Default for ExecLimitArgs {
 struct Counts {
     total: u32,
     by_vm: HashMap<Uuid, u32>,
+    by_tenant: HashMap<String, u32>,
 }
 
 /// The limits and what is in flight now.
@@ -73,6 +74,7 @@ pub struct ExecLimits {
     counts: Mutex<Counts>,
     refused_vm: AtomicU64,
     refused_global: AtomicU64,
+    refused_tenant: AtomicU64,
 }
 
 /// One admitted exec; dropping it frees its place.
@@ -80,6 +82,7 @@ pub struct ExecLimits {
 pub struct ExecSlot {
     limits: Arc<ExecLimits>,
     vm: Uuid,
+    tenant: String,
 }
 
 impl Drop for ExecSlot {
@@ -90,6 +93,12 @@ impl Drop for ExecSlot {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 c.by_vm.remove(&self.vm);
+            }
+        }
+        if let Some(n) = c.by_tenant.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                c.by_tenant.remove(&self.tenant);
             }
         }
     }
@@ -116,12 +125,31 @@ impl ExecLimits {
             counts: Mutex::default(),
             refused_vm: AtomicU64::new(0),
             refused_global: AtomicU64::new(0),
+            refused_tenant: AtomicU64::new(0),
         })
     }
 
-    /// Admits one exec in `vm`, or refuses it (429 with `Retry-After`).
-    pub fn try_acquire(self: &Arc<Self>, vm: Uuid) -> Result<ExecSlot, ApiError> {
+    /// Admits one exec in `vm` of tenant `tenant` (who may have at most
+    /// `tenant_limit` in flight), or refuses it (429 with `Retry-After`).
+    pub fn try_acquire(
+        self: &Arc<Self>,
+        vm: Uuid,
+        tenant: &str,
+        tenant_limit: Option<u32>,
+    ) -> Result<ExecSlot, ApiError> {
         let mut c = super::lock(&self.counts);
+        let theirs = c.by_tenant.get(tenant).copied().unwrap_or(0);
+        if tenant_limit.is_some_and(|l| theirs >= l) {
+            self.refused_tenant.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::new(
+                Code::TooManyRequests,
+                format!(
+                    "Tenant {tenant:?} has {theirs} execs in flight, its limit (max_execs): \
+                     retry after {DEFAULT_RETRY_AFTER_SECS} s"
+                ),
+            )
+            .retry_after(DEFAULT_RETRY_AFTER_SECS));
+        }
         let here = c.by_vm.get(&vm).copied().unwrap_or(0);
         if here >= self.per_vm {
             self.refused_vm.fetch_add(1, Ordering::Relaxed);
@@ -148,9 +176,11 @@ impl ExecLimits {
         }
         c.total += 1;
         *c.by_vm.entry(vm).or_insert(0) += 1;
+        *c.by_tenant.entry(tenant.to_owned()).or_insert(0) += 1;
         Ok(ExecSlot {
             limits: self.clone(),
             vm,
+            tenant: tenant.to_owned(),
         })
     }
 
@@ -183,6 +213,7 @@ impl ExecLimits {
         for (limit, n) in [
             ("sandbox", &self.refused_vm),
             ("global", &self.refused_global),
+            ("tenant", &self.refused_tenant),
         ] {
             let _ = writeln!(
                 out,
@@ -211,19 +242,19 @@ mod tests {
     fn a_sandbox_and_the_service_each_have_their_limit_and_slots_free_on_drop() {
         let l = limits(2, 3);
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-        let a1 = l.try_acquire(a).unwrap();
-        let a2 = l.try_acquire(a).unwrap();
-        let e = l.try_acquire(a).err().unwrap();
+        let a1 = l.try_acquire(a, "t", None).unwrap();
+        let a2 = l.try_acquire(a, "t", None).unwrap();
+        let e = l.try_acquire(a, "t", None).err().unwrap();
         assert_eq!(e.code, Code::TooManyRequests);
         assert!(e.message.contains("--max-execs-per-vm"), "{}", e.message);
         assert_eq!(e.retry_after, Some(DEFAULT_RETRY_AFTER_SECS));
-        let b1 = l.try_acquire(b).unwrap();
-        let e = l.try_acquire(b).err().unwrap();
+        let b1 = l.try_acquire(b, "t", None).unwrap();
+        let e = l.try_acquire(b, "t", None).err().unwrap();
         assert!(e.message.contains("--max-execs)"), "{}", e.message);
         assert_eq!(l.in_flight(), 3);
         drop(a1);
         assert_eq!(l.in_flight(), 2);
-        let b2 = l.try_acquire(b).unwrap();
+        let b2 = l.try_acquire(b, "t", None).unwrap();
         drop((a2, b1, b2));
         assert_eq!(l.in_flight(), 0);
         assert!(
@@ -243,6 +274,29 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_tenant_has_its_own_limit_across_its_sandboxes() {
+        let l = limits(10, 10);
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let t1 = l.try_acquire(a, "t", Some(2)).unwrap();
+        let t2 = l.try_acquire(b, "t", Some(2)).unwrap();
+        let e = l.try_acquire(a, "t", Some(2)).err().unwrap();
+        assert_eq!(e.code, Code::TooManyRequests);
+        assert!(e.message.contains("max_execs"), "{}", e.message);
+        // Another tenant is not counted against it.
+        let u = l.try_acquire(a, "u", Some(1)).unwrap();
+        drop(t1);
+        let t3 = l.try_acquire(a, "t", Some(2)).unwrap();
+        drop((t2, t3, u));
+        assert!(crate::daemon::lock(&l.counts).by_tenant.is_empty());
+        let mut m = String::new();
+        l.render_metrics(&mut m);
+        assert!(
+            m.contains("sproutd_execs_refused_total{limit=\"tenant\"} 1\n"),
+            "{m}"
+        );
+    }
+
     /// Held requests: each waits, holding its slot, until `go` says so, then
     /// answers its own token.
     #[derive(Clone)]
@@ -255,7 +309,7 @@ mod tests {
         State(h): State<Held>,
         Path((vm, token)): Path<(Uuid, String)>,
     ) -> Result<axum::response::Response, ApiError> {
-        let _slot = h.limits.try_acquire(vm)?;
+        let _slot = h.limits.try_acquire(vm, "t", None)?;
         let mut go = h.go.clone();
         let _ = go.wait_for(|g| *g).await;
         Ok(axum::Json(serde_json::json!({ "token": token })).into_response())

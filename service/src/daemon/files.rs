@@ -22,6 +22,7 @@ use super::error::{ApiError, Code};
 use super::exec::failure;
 use super::openapi::errors;
 use super::routes::ApiJson;
+use super::tenants::Caller;
 use super::App;
 
 /// Most bytes of text `files/content` reads or writes.
@@ -156,6 +157,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -167,6 +169,7 @@ const VM: &str = "The sandbox's id";
     responses((status = 200, description = "The directory's entries", body = Listing), ListErrors))]
 pub async fn list(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<PathQuery>,
 ) -> Result<Json<Listing>, ApiError> {
@@ -175,7 +178,7 @@ pub async fn list(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     let all = match agent.list(&q.path).await {
         Ok(v) => v,
         Err(e) => return Err(file_error(&app, &s, &q.path, e).await),
@@ -212,6 +215,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -231,6 +235,7 @@ errors!(
     ))]
 pub async fn get_content(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
@@ -239,7 +244,7 @@ pub async fn get_content(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     // One byte past the limit tells a longer file.
     let read = async {
         let mut r = agent
@@ -305,6 +310,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -319,6 +325,7 @@ errors!(
     responses((status = 200, description = "Written", body = Written), PutContentErrors))]
 pub async fn put_content(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<PathQuery>,
     body: Result<Bytes, axum::extract::rejection::BytesRejection>,
@@ -340,7 +347,7 @@ pub async fn put_content(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     match agent.write_bytes(&q.path, &body).await {
         Ok(bytes) => Ok(Json(Written {
             path: q.path,
@@ -386,6 +393,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -397,6 +405,7 @@ errors!(
     responses((status = 200, description = "Made", body = Made), MkdirErrors))]
 pub async fn mkdir(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     ApiJson(req): ApiJson<MkdirReq>,
 ) -> Result<Json<Made>, ApiError> {
@@ -405,7 +414,7 @@ pub async fn mkdir(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     match agent.mkdir(&req.path, req.parents).await {
         Ok(()) => Ok(Json(Made {
             path: req.path,
@@ -437,6 +446,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -450,6 +460,7 @@ errors!(
     responses((status = 200, description = "Deleted", body = Removed), RemoveErrors))]
 pub async fn remove(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<RemoveQuery>,
 ) -> Result<Json<Removed>, ApiError> {
@@ -458,7 +469,7 @@ pub async fn remove(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     match agent.remove(&q.path, q.recursive).await {
         Ok(()) => Ok(Json(Removed {
             path: q.path,
@@ -486,6 +497,7 @@ errors!(
         InvalidState,
         Paused,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -501,11 +513,12 @@ errors!(
         content_type = "application/octet-stream"), RawErrors))]
 pub async fn get_raw(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<PathQuery>,
 ) -> Result<Response, ApiError> {
     let q = path_query(q)?;
-    let super::lifecycle::Live { s, agent, busy } = app.live(&vm).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&caller, &vm).await?;
     // The first chunk tells a missing file or an escape from a good start.
     let first = async {
         let mut r = agent.read_file(&q.path, 0, None).await?;
@@ -547,6 +560,7 @@ pub async fn get_raw(
     responses((status = 200, description = "Written", body = Written), RawErrors))]
 pub async fn put_raw(
     State(app): State<Arc<App>>,
+    caller: Caller,
     vm: Vm,
     q: Q<PathQuery>,
     body: axum::body::Body,
@@ -556,7 +570,7 @@ pub async fn put_raw(
         s,
         agent,
         busy: _busy,
-    } = app.live(&vm).await?;
+    } = app.live(&caller, &vm).await?;
     let (mut rd, mut wr) = tokio::io::duplex(RAW_PIPE);
     let feeder = tokio::spawn(async move {
         use futures_util::StreamExt as _;

@@ -41,6 +41,8 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         lifecycle: Default::default(),
         templates: true,
         pool: super::pool::Pool::new(data_dir, 0),
+        tenants: super::tenants::Tenants::single(),
+        slots: Default::default(),
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))
 }

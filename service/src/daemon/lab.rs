@@ -91,6 +91,8 @@ pub enum LabError {
     GaveUp(u32, PathBuf),
     #[error("Cannot write {0}")]
     File(PathBuf, #[source] std::io::Error),
+    #[error("Cannot copy the tenants file {0} onto the lab's data disk: {1}")]
+    Tenants(PathBuf, String),
 }
 
 /// What the lab needs, resolved before anything starts.
@@ -104,7 +106,12 @@ struct Config {
     memory_mib: u32,
     /// Arguments for the lab's sproutd (simple tokens: no spaces or commas).
     inner_args: Vec<String>,
+    /// The tenants file, copied onto the data disk at each boot.
+    tenants: Option<PathBuf>,
 }
+
+/// Where the lab's sproutd finds the tenants file: the data disk's root.
+const INNER_TENANTS: &str = "/data/tenants.toml";
 
 /// The lab directory: `$SPROUT_LAB`, else `<cache>/lab` (tests/lab/build.sh).
 pub fn lab_dir() -> PathBuf {
@@ -193,6 +200,52 @@ fn ensure_data_disk(disk: &Path) -> Result<(), LabError> {
         )));
     }
     std::fs::rename(&tmp, disk).map_err(|e| err(e.to_string()))
+}
+
+/// Copies `file` to the root of the (unmounted) data disk, as
+/// `tenants.toml`, with debugfs (e2fsprogs, which made the disk), and
+/// reads it back.
+fn put_tenants(disk: &Path, file: &Path) -> Result<(), LabError> {
+    let err = |m: String| LabError::Tenants(file.to_owned(), m);
+    let want = std::fs::read(file).map_err(|e| err(e.to_string()))?;
+    let name = INNER_TENANTS.trim_start_matches("/data/");
+    // debugfs splits its commands at spaces: a copy with a plain name,
+    // beside the disk, where debugfs runs.
+    let tmp = disk.with_file_name("tenants.toml.in");
+    std::fs::write(&tmp, &want).map_err(|e| err(e.to_string()))?;
+    let cmds = format!("rm {name}\nwrite tenants.toml.in {name}\n");
+    let run = |args: &[&str], input: Option<&str>| -> Result<Vec<u8>, LabError> {
+        let mut c = std::process::Command::new("debugfs");
+        c.args(args).arg(disk);
+        if let Some(d) = disk.parent().filter(|d| !d.as_os_str().is_empty()) {
+            c.current_dir(d);
+        }
+        c.stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        let mut ch = c.spawn().map_err(|e| {
+            err(format!(
+                "cannot run debugfs ({e}): apt-get install --no-install-recommends e2fsprogs"
+            ))
+        })?;
+        if let (Some(mut i), Some(text)) = (ch.stdin.take(), input) {
+            let _ = std::io::Write::write_all(&mut i, text.as_bytes());
+        }
+        let out = ch.wait_with_output().map_err(|e| err(e.to_string()))?;
+        Ok(out.stdout)
+    };
+    let r = run(&["-w", "-f", "-"], Some(&cmds));
+    let _ = std::fs::remove_file(&tmp);
+    r?;
+    let got = run(&["-R", &format!("cat {name}")], None)?;
+    if got != want {
+        return Err(err(format!(
+            "debugfs wrote {} bytes, {} read back differ",
+            want.len(),
+            got.len()
+        )));
+    }
+    Ok(())
 }
 
 /// What the console reader saw.
@@ -389,7 +442,11 @@ impl Run {
                 next_note += Duration::from_secs(20);
             }
             tokio::select! {
-                _ = stop.wait() => return Ok(false),
+                a = stop.wait() => match a {
+                    // Given to the lab once it serves.
+                    Asked::Reload => {}
+                    Asked::Stop => return Ok(false),
+                },
                 s = self.seen.recv() => match s {
                     Some(Seen::Listening) => listening = true,
                     Some(Seen::Failed(why)) => return Err(LabError::Boot(why, self.tail())),
@@ -415,8 +472,14 @@ impl Run {
         let mut healthy = Instant::now();
         let mut next_check = Instant::now() + Duration::from_secs(60);
         loop {
+            if std::mem::take(&mut stop.reload) {
+                self.send_tenants(cfg).await;
+            }
             tokio::select! {
-                _ = stop.wait() => return Ok(()),
+                a = stop.wait() => match a {
+                    Asked::Reload => continue,
+                    Asked::Stop => return Ok(()),
+                },
                 s = self.seen.recv() => match s {
                     Some(Seen::Heartbeat) => last = Instant::now(),
                     Some(Seen::Exit(c)) => return Err(format!("sproutd in the lab exited with {c}")),
@@ -444,6 +507,41 @@ impl Run {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Gives the lab's sproutd the tenants file again, over the console
+    /// (base64 lines, each well under a terminal's line limit); a file
+    /// that does not load here is not sent.
+    async fn send_tenants(&mut self, cfg: &Config) {
+        use base64::Engine as _;
+        let Some(f) = &cfg.tenants else {
+            eprintln!("sproutd: SIGHUP: no --tenants file to read again");
+            return;
+        };
+        if let Err(e) = super::tenants::Tenants::load(f) {
+            eprintln!(
+                "sproutd: SIGHUP: {}; the tenants in force stay",
+                super::error::chain(&e)
+            );
+            return;
+        }
+        let Ok(bytes) = std::fs::read(f) else { return };
+        let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
+        let mut msg = String::from("SPROUT-LAB-TENANTS-BEGIN\n");
+        for part in b64.as_bytes().chunks(512) {
+            msg.push_str("SPROUT-LAB-TENANTS-PART ");
+            msg.push_str(&String::from_utf8_lossy(part));
+            msg.push('\n');
+        }
+        msg.push_str("SPROUT-LAB-TENANTS-END\n");
+        if let Some(stdin) = self.stdin.as_mut() {
+            let ok = stdin.write_all(msg.as_bytes()).await.is_ok() && stdin.flush().await.is_ok();
+            if ok {
+                eprintln!("sproutd: SIGHUP: the tenants file went to the lab's sproutd");
+            } else {
+                eprintln!("sproutd: SIGHUP: cannot reach the lab's console");
             }
         }
     }
@@ -520,7 +618,17 @@ async fn health(addr: SocketAddrV4) -> bool {
 struct Stop {
     int: tokio::signal::unix::Signal,
     term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
     asked: bool,
+    /// A SIGHUP came that the running lab has not been given yet.
+    reload: bool,
+}
+
+/// What [`Stop::wait`] saw.
+enum Asked {
+    Stop,
+    /// SIGHUP: send the lab the tenants file again.
+    Reload,
 }
 
 impl Stop {
@@ -529,18 +637,28 @@ impl Stop {
         Ok(Stop {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
+            // Caught (not the default: death) and told.
+            hup: signal(SignalKind::hangup())?,
             asked: false,
+            reload: false,
         })
     }
 
-    async fn wait(&mut self) {
+    /// Until a stop is asked (for good: later calls return at once) or a
+    /// SIGHUP comes.
+    async fn wait(&mut self) -> Asked {
         if !self.asked {
             tokio::select! {
                 _ = self.int.recv() => {}
                 _ = self.term.recv() => {}
+                _ = self.hup.recv() => {
+                    self.reload = true;
+                    return Asked::Reload;
+                }
             }
             self.asked = true;
         }
+        Asked::Stop
     }
 }
 
@@ -584,8 +702,12 @@ pub(super) fn serve(
             }
             a.push("--ready-workers".into());
             a.push(args.ready_workers.to_string());
+            if args.tenants.is_some() {
+                a.push(format!("--tenants={INNER_TENANTS}"));
+            }
             a
         },
+        tenants: args.tenants.clone(),
     };
     tracing::warn!("{why}");
     eprintln!(
@@ -609,6 +731,11 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
     let mut first = true;
     loop {
         let started = Instant::now();
+        if let Some(t) = &cfg.tenants {
+            // Read again at each boot: a restart of sproutd (or of the lab)
+            // takes the file's changes.
+            put_tenants(&cfg.disk, t)?;
+        }
         let mut run = Run::start(&cfg)?;
         match run.until_ready(&cfg, &mut stop).await {
             Ok(true) => {}

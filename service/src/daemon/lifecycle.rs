@@ -33,6 +33,7 @@ use super::error::{chain, ApiError, Code};
 use super::images::TEST_GUEST_IMAGE;
 use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State};
 use super::supervisor::{BootError, Booted};
+use super::tenants::Caller;
 use super::{lock, now_ms, App};
 
 /// How often the idle sweeper looks.
@@ -171,7 +172,7 @@ impl App {
     /// names, running (a sleeping one is woken first, transparently), its
     /// agent, and the call's activity hold. A paused sandbox is `409
     /// paused` (a pause is an operator's and is never undone by a call).
-    pub async fn live(self: &Arc<Self>, id: &str) -> Result<Live, ApiError> {
+    pub async fn live(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<Live, ApiError> {
         let vm = Uuid::parse_str(id).map_err(|_| ApiError::vm_not_found(id))?;
         let l = self.lifecycle.lock_of(vm);
         // A wake, then a second look; a sandbox that fell asleep again in
@@ -180,7 +181,7 @@ impl App {
         for _ in 0..3 {
             {
                 let _g = l.read().await;
-                let s = match self.sandbox(id).await {
+                let s = match self.sandbox(caller, id).await {
                     Ok(s) => s,
                     Err(e) => {
                         // No lock is kept for an id nothing has.
@@ -286,6 +287,7 @@ impl App {
         if s.state != State::Paused {
             return Err(invalid(&s, "resume"));
         }
+        let _slot = self.hold_slots(&s.tenant, vec![id]).await?;
         self.blocking(move || Self::worker_client(&s)?.resume().map_err(worker_err))
             .await?;
         self.lifecycle.touch(id);
@@ -348,6 +350,7 @@ impl App {
             .await?;
         let snap = SnapshotRow {
             id,
+            tenant: s.tenant.clone(),
             vm_id: Some(s.id),
             name,
             dir: w.dir,
@@ -541,6 +544,7 @@ impl App {
             State::Running if sleeping_only => return Ok(Woken::default()),
             _ => return Err(invalid(&s, "wake")),
         }
+        let _slot = self.hold_slots(&s.tenant, vec![id]).await?;
         let rest = s
             .rest_snapshot_id
             .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
@@ -772,6 +776,7 @@ impl App {
         ) {
             return Err(invalid(&s, "reboot"));
         }
+        let _slot = self.hold_slots(&s.tenant, vec![id]).await?;
         let mut from = s.rest_snapshot_id;
         if s.state.has_worker() {
             if s.state == State::Running && s.image != TEST_GUEST_IMAGE {
@@ -833,6 +838,7 @@ impl App {
         ) {
             return Err(invalid(&s, "restore a checkpoint"));
         }
+        let _slot = self.hold_slots(&s.tenant, vec![vm]).await?;
         // The checkpoint, looked at again now that the sandbox is ours (a
         // delete may have dropped it meanwhile), and made the sandbox's in
         // the same write, so that nothing collects it from here on.
@@ -909,8 +915,11 @@ impl App {
             if !matches!(s.state, State::Running | State::Paused) {
                 return Err(invalid(&s, "fork"));
             }
+            // Every child's slot, or none and no snapshot either.
+            let ids: Vec<Uuid> = (0..count).map(|_| Uuid::new_v4()).collect();
+            let _slots = self.hold_slots(&s.tenant, ids.clone()).await?;
             let snap = self.take_snapshot(&s, SnapshotKind::User, None).await?;
-            let kids: Vec<Sandbox> = (0..count).map(|_| child_of(&s, snap.id)).collect();
+            let kids: Vec<Sandbox> = ids.iter().map(|&k| child_of(&s, snap.id, k)).collect();
             let rows = kids.clone();
             self.db(move |r| rows.iter().try_for_each(|k| r.insert_sandbox(k)))
                 .await?;
@@ -1011,9 +1020,9 @@ impl App {
 
 /// A fork child of `s` from `snap`: its shape, image, env, metadata and
 /// idle timeout.
-fn child_of(s: &Sandbox, snap: Uuid) -> Sandbox {
+fn child_of(s: &Sandbox, snap: Uuid, id: Uuid) -> Sandbox {
     Sandbox {
-        id: Uuid::new_v4(),
+        id,
         state: State::Starting,
         worker_socket: None,
         vsock_socket: None,

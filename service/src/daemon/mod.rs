@@ -27,6 +27,7 @@ mod routes;
 mod store;
 mod supervisor;
 mod templates;
+pub mod tenants;
 mod watch;
 
 use std::collections::HashMap;
@@ -93,6 +94,14 @@ pub struct DaemonArgs {
     /// `503 template_building`; docs/api.md, "Templates").
     #[arg(long)]
     pub no_templates: bool,
+    /// The tenants file: API keys (their SHA-256) and each tenant's quota
+    /// (docs/api.md, "Tenants and quotas"). Without it sproutd is
+    /// single-tenant and listens only on loopback. SIGHUP re-reads it.
+    #[arg(long, value_name = "FILE")]
+    pub tenants: Option<PathBuf>,
+    /// Print a new API key and its line for the tenants file, then exit.
+    #[arg(long)]
+    pub new_key: bool,
     /// Worker processes kept started, jailed and holding a VM shell, for
     /// each shape sandboxes are restored in, so that a create from a
     /// template, a fork or a wake does not wait for one (0: none).
@@ -118,6 +127,10 @@ pub enum DaemonError {
     Serve(#[source] std::io::Error),
     #[error(transparent)]
     Lab(#[from] lab::LabError),
+    #[error(transparent)]
+    Tenants(#[from] tenants::TenantsError),
+    #[error("{0}")]
+    Insecure(String),
 }
 
 /// Whether this host can run Linux guests (the VMM's probe).
@@ -150,6 +163,10 @@ pub struct App {
     templates: bool,
     /// Ready workers by shape.
     pool: pool::Pool,
+    /// API keys and what each tenant may hold.
+    tenants: tenants::Tenants,
+    /// Sandbox slots held for starts and wakes in flight.
+    slots: Arc<tenants::Slots>,
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -177,11 +194,17 @@ impl App {
             .map_err(|e| ApiError::internal(error::chain(&e)))
     }
 
-    /// The sandbox `id` names; 404 if none.
-    async fn sandbox(self: &Arc<Self>, id: &str) -> Result<Sandbox, ApiError> {
+    /// The sandbox `id` names, if it is `caller`'s; 404 if none (another
+    /// tenant's is answered exactly as an unknown id).
+    async fn sandbox(
+        self: &Arc<Self>,
+        caller: &tenants::Caller,
+        id: &str,
+    ) -> Result<Sandbox, ApiError> {
         let uuid = Uuid::parse_str(id).map_err(|_| ApiError::vm_not_found(id))?;
         self.db(move |r| r.get_sandbox(uuid))
             .await?
+            .filter(|s| caller.owns(&s.tenant))
             .ok_or_else(|| ApiError::vm_not_found(id))
     }
 
@@ -280,6 +303,22 @@ pub fn main(args: DaemonArgs) -> ExitCode {
                 && std::env::var_os("NO_COLOR").is_none(),
         )
         .try_init();
+    if args.new_key {
+        return match tenants::new_key() {
+            Ok((key, line)) => {
+                println!("{key}");
+                eprintln!(
+                    "sproutd: a new API key (above; it is shown only now). Put its SHA-256 in \
+                     the keys of its tenant in the tenants file:\n  keys = [{line}]"
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("sproutd: error: cannot draw random bytes for a key: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.check_host {
         return match vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir()) {
             Ok(()) => {
@@ -354,6 +393,19 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     std::fs::create_dir_all(data_dir.join("vms"))
         .map_err(|e| DaemonError::DataDir(data_dir.clone(), e))?;
     let _lock = lock_data_dir(&data_dir)?;
+    let lab_hosted = std::env::var_os("SPROUT_LAB_HOSTED").is_some();
+    let tenants = match &args.tenants {
+        Some(f) => tenants::Tenants::load(f)?,
+        // Inside the lab, only the host's forwarded address reaches this
+        // sproutd, and the host's sproutd checked that one.
+        None if lab_hosted => tenants::Tenants::single(),
+        None => {
+            if let Some(why) = tenants::refuse_listen(args.listen) {
+                return Err(DaemonError::Insecure(why));
+            }
+            tenants::Tenants::single()
+        }
+    };
     let probe = vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir())
         .map_err(|e| error::chain(&e));
     // Where this KVM cannot run Linux guests, serve from the lab (unless
@@ -371,7 +423,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     let host = HostMode {
         linux_guests: probe.is_ok(),
         reason: probe.err(),
-        lab: std::env::var_os("SPROUT_LAB_HOSTED").is_some(),
+        lab: lab_hosted,
     };
     let cmd = crate::control::worker_command().map_err(DaemonError::Worker)?;
     let app = Arc::new(App {
@@ -386,6 +438,8 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         lifecycle: lifecycle::Lifecycle::default(),
         templates: !args.no_templates,
         pool: pool::Pool::new(&data_dir, usize::from(args.ready_workers)),
+        tenants,
+        slots: Default::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -406,6 +460,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         app.sweep_orphan_snapshots().await;
         app.collect_garbage().await;
         lifecycle::sweeper(&app);
+        reload_on_hangup(&app);
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .map_err(|e| DaemonError::Listen(args.listen, e))?;
@@ -443,6 +498,36 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         }
         Ok(())
     })
+}
+
+/// Re-reads the tenants file at each SIGHUP (a bad one keeps the tenants
+/// in force); without one, a SIGHUP is only logged.
+fn reload_on_hangup(app: &Arc<App>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot catch SIGHUP: the tenants file is read only at start");
+        return;
+    };
+    let app = app.clone();
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            if !app.tenants.multi() {
+                tracing::info!("SIGHUP: no --tenants file to read again");
+                continue;
+            }
+            let a = app.clone();
+            match tokio::task::spawn_blocking(move || a.tenants.reload()).await {
+                Ok(Ok((t, k))) => {
+                    tracing::info!("SIGHUP: read the tenants file again: {t} tenants, {k} keys")
+                }
+                Ok(Err(e)) => tracing::error!(
+                    "SIGHUP: {}; the tenants read before stay in force",
+                    error::chain(&e)
+                ),
+                Err(e) => tracing::error!("SIGHUP: the reload task failed: {e}"),
+            }
+        }
+    });
 }
 
 /// Waits for SIGINT or SIGTERM. Made (and the handlers installed) before

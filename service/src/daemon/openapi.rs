@@ -36,6 +36,13 @@ operation's own errors: an unknown route is `404 not_found`, a method the \
 route does not serve `405 method_not_allowed` (with `Allow`), and any \
 operation may answer `500 internal`.
 
+Tenants: a sproutd run with `--tenants FILE` answers every operation but \
+`/v1/health` and `/v1/openapi.json` only with an API key (`Authorization: \
+Bearer KEY` or `X-API-Key: KEY`; else `401 unauthorized`); each key's tenant \
+sees only its own sandboxes, snapshots and checkpoints (another tenant's id \
+is answered exactly as an unknown one) and holds at most its quota of \
+running sandboxes (`402 quota_exhausted`) and execs in flight (`429`).
+
 Exec concurrency: at most `--max-execs-per-vm` execs in flight in one \
 sandbox and `--max-execs` in the service (`/v1/info` shows them); one more \
 is answered `429 too_many_requests` with `Retry-After` (seconds) at once.";
@@ -132,8 +139,52 @@ pub fn error_responses(codes: &[Code]) -> BTreeMap<String, RefOr<Response>> {
         .collect()
 }
 
-/// Puts `X-Request-Id` on every answer of `doc`.
+/// Puts `X-Request-Id` on every answer of `doc`, and on every operation
+/// but the public ones the API key scheme and its `401 unauthorized`.
 fn finish(mut doc: OpenApi) -> OpenApi {
+    use utoipa::openapi::security::{
+        HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+    };
+    let unauthorized = error_responses(&[Code::Unauthorized]).remove("401");
+    let components = doc.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "apiKey",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some(
+                    "With sproutd --tenants: the tenant's API key, as `Authorization: Bearer KEY` \
+                     (or `X-API-Key: KEY`). Without it, no key is needed.",
+                ))
+                .build(),
+        ),
+    );
+    for (path, item) in doc.paths.paths.iter_mut() {
+        let public = super::tenants::public(path);
+        let ops = [
+            &mut item.get,
+            &mut item.put,
+            &mut item.post,
+            &mut item.delete,
+            &mut item.patch,
+            &mut item.head,
+            &mut item.options,
+            &mut item.trace,
+        ];
+        for op in ops.into_iter().flatten() {
+            if public {
+                op.security = Some(vec![SecurityRequirement::default()]);
+            } else {
+                op.security = Some(vec![SecurityRequirement::new(
+                    "apiKey",
+                    Vec::<String>::new(),
+                )]);
+                if let Some(r) = &unauthorized {
+                    op.responses.responses.insert("401".into(), r.clone());
+                }
+            }
+        }
+    }
     for item in doc.paths.paths.values_mut() {
         let ops = [
             &mut item.get,

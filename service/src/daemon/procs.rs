@@ -23,6 +23,7 @@ use super::error::{ApiError, Code};
 use super::exec::{failure, sse_response, Chunk};
 use super::openapi::errors;
 use super::routes::ApiJson;
+use super::tenants::Caller;
 use super::App;
 
 /// Most events an attach buffers for a slow client (the agent connection
@@ -182,7 +183,8 @@ errors!(
         InvalidState,
         Paused,
         ExecFailed,
-        AgentUnavailable
+        AgentUnavailable,
+        QuotaExhausted
     ]
 );
 
@@ -195,13 +197,14 @@ errors!(
     responses((status = 200, description = "The background processes", body = ProcList), ListErrors))]
 pub async fn list(
     State(app): State<Arc<App>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<ProcList>, ApiError> {
     let super::lifecycle::Live {
         s,
         agent,
         busy: _busy,
-    } = app.live(&id).await?;
+    } = app.live(&caller, &id).await?;
     let procs = match agent.proc_list().await {
         Ok(p) => p,
         Err(e) => return Err(failure(&app, &s, &e).await),
@@ -260,6 +263,7 @@ errors!(
         Paused,
         ExecFailed,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -284,6 +288,7 @@ errors!(
         content_type = "text/event-stream"), EventsErrors))]
 pub async fn events(
     State(app): State<Arc<App>>,
+    caller: Caller,
     Path((id, exec)): Path<(String, String)>,
     headers: HeaderMap,
     query: Result<Query<EventsQuery>, axum::extract::rejection::QueryRejection>,
@@ -302,7 +307,7 @@ pub async fn events(
         ),
         None => q.last_event_id,
     };
-    let super::lifecycle::Live { s, agent, busy } = app.live(&id).await?;
+    let super::lifecycle::Live { s, agent, busy } = app.live(&caller, &id).await?;
     let mut stream = agent
         .attach(exec, after)
         .await
@@ -411,6 +416,7 @@ errors!(
         Paused,
         ExecFailed,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -428,6 +434,7 @@ errors!(
     responses((status = 200, description = "Written", body = StdinDone), StdinErrors))]
 pub async fn stdin(
     State(app): State<Arc<App>>,
+    caller: Caller,
     Path((id, exec)): Path<(String, String)>,
     ApiJson(req): ApiJson<StdinReq>,
 ) -> Result<Json<StdinDone>, ApiError> {
@@ -441,7 +448,7 @@ pub async fn stdin(
     };
     let super::lifecycle::Live {
         agent, busy: _busy, ..
-    } = app.live(&id).await?;
+    } = app.live(&caller, &id).await?;
     if !data.is_empty() {
         agent
             .proc_stdin(exec, &data)
@@ -541,6 +548,7 @@ errors!(
         Paused,
         ExecFailed,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -557,6 +565,7 @@ errors!(
     responses((status = 200, description = "Signalled", body = Signalled), SignalErrors))]
 pub async fn signal(
     State(app): State<Arc<App>>,
+    caller: Caller,
     Path((id, exec)): Path<(String, String)>,
     ApiJson(req): ApiJson<SignalReq>,
 ) -> Result<Json<Signalled>, ApiError> {
@@ -566,7 +575,7 @@ pub async fn signal(
         s,
         agent,
         busy: _busy,
-    } = app.live(&id).await?;
+    } = app.live(&caller, &id).await?;
     agent.kill(exec, sig).await.map_err(|e| proc_error(&e))?;
     tracing::info!(vm = %s.id, exec_id = exec, signal = sig, "signalled");
     Ok(Json(Signalled {

@@ -96,6 +96,15 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (image, cpus, memory_mb)
     );
     "#,
+    // 3: tenants. Every sandbox and snapshot is its tenant's; what was
+    // recorded before is the single-tenant mode's `default`'s. Templates
+    // are sproutd's own (their snapshots' tenant is '').
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    ALTER TABLE snapshots ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+    UPDATE snapshots SET tenant = '' WHERE kind = 'template';
+    CREATE INDEX sandboxes_by_tenant ON sandboxes(tenant, state);
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +192,8 @@ impl FromStr for State {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sandbox {
     pub id: Uuid,
+    /// Whose it is (docs/api.md, "Tenants and quotas").
+    pub tenant: String,
     pub state: State,
     pub image: String,
     pub cpus: u8,
@@ -210,10 +221,19 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
-    /// A new sandbox of `image` and shape, `starting`, nothing else set.
-    pub fn starting(id: Uuid, image: &str, cpus: u8, memory_mb: u32, created_ms: u64) -> Sandbox {
+    /// A new sandbox of `tenant`, `image` and shape, `starting`, nothing
+    /// else set.
+    pub fn starting(
+        id: Uuid,
+        tenant: &str,
+        image: &str,
+        cpus: u8,
+        memory_mb: u32,
+        created_ms: u64,
+    ) -> Sandbox {
         Sandbox {
             id,
+            tenant: tenant.to_owned(),
             state: State::Starting,
             image: image.to_owned(),
             cpus,
@@ -290,6 +310,8 @@ impl FromStr for SnapshotKind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotRow {
     pub id: Uuid,
+    /// Whose it is: its sandbox's tenant ('' for a template).
+    pub tenant: String,
     /// The sandbox it was taken of (which may be gone since).
     pub vm_id: Option<Uuid>,
     /// A checkpoint's name.
@@ -420,9 +442,9 @@ impl Registry {
             "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
                 idle_timeout_secs, env, metadata, worker_socket, vsock_socket, pid, created_ms,
                 parent_vm_id, snapshot_id, failure_reason, lineage_snapshot_id,
-                rest_snapshot_id, hostname)
+                rest_snapshot_id, hostname, tenant)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                ?17, ?18, ?19)",
+                ?17, ?18, ?19, ?20)",
             params![
                 s.id.to_string(),
                 s.state.as_str(),
@@ -443,6 +465,7 @@ impl Registry {
                 s.lineage_snapshot_id.map(|u| u.to_string()),
                 s.rest_snapshot_id.map(|u| u.to_string()),
                 s.hostname,
+                s.tenant,
             ],
         )?;
         Ok(())
@@ -493,8 +516,8 @@ impl Registry {
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), RegistryError> {
         self.conn.execute(
             "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
-                memory_mb, env, size_bytes, created_ms, diff)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                memory_mb, env, size_bytes, created_ms, diff, tenant)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
             params![
                 s.id.to_string(),
                 s.vm_id.map(|u| u.to_string()),
@@ -510,6 +533,7 @@ impl Registry {
                 s.size_bytes as i64,
                 s.created_ms as i64,
                 s.parent_id.is_some(),
+                s.tenant,
             ],
         )?;
         Ok(())
@@ -726,6 +750,27 @@ impl Registry {
     }
 
     /// Every sandbox, oldest first.
+    /// The sandboxes of `tenant` that hold a slot: every one whose VM is
+    /// meant to run (starting, running, or being deleted).
+    pub fn slot_holders(
+        &self,
+        tenant: &str,
+    ) -> Result<std::collections::HashSet<Uuid>, RegistryError> {
+        let mut st = self.conn.prepare_cached(
+            "SELECT id FROM sandboxes WHERE tenant = ?1 AND state IN ('starting', 'running', \
+             'stopping')",
+        )?;
+        let ids = st.query_map([tenant], |r| r.get::<_, String>(0))?;
+        let mut out = std::collections::HashSet::new();
+        for id in ids {
+            let id = id?;
+            out.insert(
+                Uuid::parse_str(&id).map_err(|_| RegistryError::BadRow(format!("id {id:?}")))?,
+            );
+        }
+        Ok(out)
+    }
+
     pub fn list_sandboxes(&self) -> Result<Vec<Sandbox>, RegistryError> {
         self.all(
             &format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_ms, id"),
@@ -777,10 +822,10 @@ impl Registry {
 
 const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle_timeout_secs, \
     env, metadata, worker_socket, vsock_socket, pid, created_ms, parent_vm_id, snapshot_id, \
-    failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname";
+    failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname, tenant";
 
 const SNAP_COLUMNS: &str = "id, vm_id, name, dir, kind, parent_id, depth, image, cpus, memory_mb, \
-    env, size_bytes, created_ms";
+    env, size_bytes, created_ms, tenant";
 
 fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryError>> {
     let id: String = r.get(0)?;
@@ -796,10 +841,12 @@ fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryErr
     let env: String = r.get(10)?;
     let size: i64 = r.get(11)?;
     let created: i64 = r.get(12)?;
+    let tenant: String = r.get(13)?;
     Ok((|| {
         Ok(SnapshotRow {
             id: Uuid::parse_str(&id)
                 .map_err(|_| RegistryError::BadRow(format!("snapshot id {id:?}")))?,
+            tenant,
             vm_id: uuid_col(vm, "vm_id")?,
             name,
             dir: PathBuf::from(dir),
@@ -848,6 +895,7 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
     let lineage: Option<String> = r.get(16)?;
     let rest: Option<String> = r.get(17)?;
     let hostname: Option<String> = r.get(18)?;
+    let tenant: String = r.get(19)?;
     Ok((|| {
         let (image, cpus, memory_mb, disable_internet, idle, sock, vsock, pid, created, reason) =
             fields;
@@ -857,6 +905,7 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
         };
         Ok(Sandbox {
             id: Uuid::parse_str(&id).map_err(|_| RegistryError::BadRow(format!("id {id:?}")))?,
+            tenant,
             state: state.parse()?,
             image,
             cpus,
@@ -886,6 +935,7 @@ mod tests {
     fn sandbox(image: &str, created_ms: u64) -> Sandbox {
         Sandbox {
             id: Uuid::new_v4(),
+            tenant: "t".into(),
             state: State::Starting,
             image: image.into(),
             cpus: 2,
@@ -909,6 +959,7 @@ mod tests {
 
     fn snap(kind: SnapshotKind, parent: Option<&SnapshotRow>) -> SnapshotRow {
         SnapshotRow {
+            tenant: "t".into(),
             id: Uuid::new_v4(),
             vm_id: None,
             name: None,

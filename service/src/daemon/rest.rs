@@ -16,6 +16,7 @@ use super::lifecycle::detached;
 use super::openapi::errors;
 use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State as VmState};
 use super::routes::{ApiJson, VmView};
+use super::tenants::Caller;
 use super::{now_ms, App};
 
 type AppState = State<Arc<App>>;
@@ -27,11 +28,12 @@ pub const MAX_FORK: i64 = 100;
 /// Longest checkpoint name.
 const MAX_NAME: usize = 128;
 
-async fn vm_id(app: &Arc<App>, id: &str) -> Result<Uuid, ApiError> {
-    Ok(app.sandbox(id).await?.id)
+async fn vm_id(app: &Arc<App>, caller: &Caller, id: &str) -> Result<Uuid, ApiError> {
+    Ok(app.sandbox(caller, id).await?.id)
 }
 
 errors!(TransitionErrors = [VmNotFound, InvalidState, WorkerFailed]);
+errors!(ResumeErrors = [VmNotFound, InvalidState, WorkerFailed, QuotaExhausted]);
 errors!(SuspendErrors = [VmNotFound, InvalidState, WorkerFailed, SnapshotFailed]);
 errors!(
     WakeErrors = [
@@ -41,6 +43,7 @@ errors!(
         SnapshotFailed,
         BootFailed,
         AgentUnavailable,
+        QuotaExhausted,
         HostUnsupported,
         UnknownImage,
     ]
@@ -54,8 +57,12 @@ errors!(
 #[utoipa::path(post, path = "/v1/runtime/vms/{id}/pause", operation_id = "pauseVm", tag = "rest states",
     params(("id" = String, Path, description = "The sandbox's id")),
     responses((status = 200, description = "Paused", body = VmView), TransitionErrors))]
-pub async fn pause(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmView>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+pub async fn pause(
+    State(app): AppState,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<VmView>, ApiError> {
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     Ok(Json(
         detached(async move { a.pause(vm).await }).await?.into(),
@@ -65,12 +72,13 @@ pub async fn pause(State(app): AppState, Path(id): Path<String>) -> Result<Json<
 /// Resume a paused sandbox
 #[utoipa::path(post, path = "/v1/runtime/vms/{id}/resume", operation_id = "resumeVm", tag = "rest states",
     params(("id" = String, Path, description = "The sandbox's id")),
-    responses((status = 200, description = "Running again", body = VmView), TransitionErrors))]
+    responses((status = 200, description = "Running again", body = VmView), ResumeErrors))]
 pub async fn resume(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<VmView>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     Ok(Json(
         detached(async move { a.resume(vm).await }).await?.into(),
@@ -87,8 +95,12 @@ pub async fn resume(
 #[utoipa::path(post, path = "/v1/runtime/vms/{id}/sleep", operation_id = "sleepVm", tag = "rest states",
     params(("id" = String, Path, description = "The sandbox's id")),
     responses((status = 200, description = "Sleeping", body = VmView), SuspendErrors))]
-pub async fn sleep(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmView>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+pub async fn sleep(
+    State(app): AppState,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<VmView>, ApiError> {
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let s = detached(async move { a.suspend(vm, VmState::Sleeping).await }).await?;
     Ok(Json(s.into()))
@@ -104,9 +116,10 @@ pub async fn sleep(State(app): AppState, Path(id): Path<String>) -> Result<Json<
     responses((status = 200, description = "Hibernated", body = VmView), SuspendErrors))]
 pub async fn hibernate(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<VmView>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let s = detached(async move { a.suspend(vm, VmState::Hibernated).await }).await?;
     Ok(Json(s.into()))
@@ -135,12 +148,13 @@ pub struct WakeResp {
     responses((status = 200, description = "Running again", body = WakeResp), WakeErrors))]
 pub async fn wake(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<WakeResp>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let w = detached(async move { a.wake(vm, false).await }).await?;
-    let s = app.sandbox(&id).await?;
+    let s = app.sandbox(&caller, &id).await?;
     Ok(Json(WakeResp {
         vm: s.into(),
         cold_boot: w.cold_boot.is_some(),
@@ -157,9 +171,10 @@ pub async fn wake(
     responses((status = 200, description = "Rebooted and running", body = VmView), WakeErrors))]
 pub async fn reboot(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<VmView>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     Ok(Json(
         detached(async move { a.reboot(vm).await }).await?.into(),
@@ -209,10 +224,11 @@ errors!(
     responses((status = 201, description = "Taken", body = SnapshotTaken), SnapshotErrors))]
 pub async fn snapshot(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<SnapshotReq>,
 ) -> Result<(StatusCode, Json<SnapshotTaken>), ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let (s, snap) = detached(async move {
         a.snapshot(vm, req.leave_paused, SnapshotKind::User, None)
@@ -269,6 +285,7 @@ errors!(
         InvalidState,
         WorkerFailed,
         SnapshotFailed,
+        QuotaExhausted,
     ]
 );
 
@@ -286,6 +303,7 @@ errors!(
     responses((status = 201, description = "Forked", body = Forked), ForkErrors))]
 pub async fn fork(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<ForkReq>,
 ) -> Result<(StatusCode, Json<Forked>), ApiError> {
@@ -296,7 +314,7 @@ pub async fn fork(
             format!("count is {count}: it must be 1 to {MAX_FORK}"),
         ));
     }
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let (snap, kids) = detached(async move { a.fork(vm, count as usize).await }).await?;
     let forks = kids
@@ -382,12 +400,16 @@ errors!(ListSnapshotErrors = []);
 /// sproutd's own (a sleeping sandbox's) are not shown.
 #[utoipa::path(get, path = "/v1/runtime/snapshots", operation_id = "listSnapshots", tag = "rest states",
     responses((status = 200, description = "The snapshots", body = SnapshotList), ListSnapshotErrors))]
-pub async fn list_snapshots(State(app): AppState) -> Result<Json<SnapshotList>, ApiError> {
+pub async fn list_snapshots(
+    State(app): AppState,
+    caller: Caller,
+) -> Result<Json<SnapshotList>, ApiError> {
     let all = app.db(|r| r.list_snapshots()).await?;
     Ok(Json(SnapshotList {
         snapshots: all
             .into_iter()
             .filter(|s| matches!(s.kind, SnapshotKind::User | SnapshotKind::Checkpoint))
+            .filter(|s| caller.owns(&s.tenant))
             .map(SnapshotView::from)
             .collect(),
     }))
@@ -396,6 +418,7 @@ pub async fn list_snapshots(State(app): AppState) -> Result<Json<SnapshotList>, 
 /// The snapshot `id` names, of one of `kinds`; `code` (404) if none.
 async fn snapshot_row(
     app: &Arc<App>,
+    caller: &Caller,
     id: &str,
     kinds: &'static [SnapshotKind],
     code: Code,
@@ -409,7 +432,7 @@ async fn snapshot_row(
     let uuid = Uuid::parse_str(id).map_err(|_| missing())?;
     app.db(move |r| r.get_snapshot(uuid))
         .await?
-        .filter(|s| kinds.contains(&s.kind))
+        .filter(|s| kinds.contains(&s.kind) && caller.owns(&s.tenant))
         .ok_or_else(missing)
 }
 
@@ -424,9 +447,10 @@ errors!(GetSnapshotErrors = [SnapshotNotFound]);
     responses((status = 200, description = "The snapshot", body = SnapshotView), GetSnapshotErrors))]
 pub async fn get_snapshot(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<SnapshotView>, ApiError> {
-    let s = snapshot_row(&app, &id, USER_KINDS, Code::SnapshotNotFound).await?;
+    let s = snapshot_row(&app, &caller, &id, USER_KINDS, Code::SnapshotNotFound).await?;
     Ok(Json(s.into()))
 }
 
@@ -447,9 +471,10 @@ pub struct SnapshotDeleted {
     responses((status = 200, description = "Deleted", body = SnapshotDeleted), GetSnapshotErrors))]
 pub async fn delete_snapshot(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<SnapshotDeleted>, ApiError> {
-    let s = snapshot_row(&app, &id, USER_KINDS, Code::SnapshotNotFound).await?;
+    let s = snapshot_row(&app, &caller, &id, USER_KINDS, Code::SnapshotNotFound).await?;
     drop_snapshot(&app, s.id).await?;
     Ok(Json(SnapshotDeleted {
         snapshot_id: s.id,
@@ -498,6 +523,7 @@ errors!(
     responses((status = 201, description = "Taken", body = SnapshotView), CheckpointErrors))]
 pub async fn create_checkpoint(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
     ApiJson(req): ApiJson<CheckpointReq>,
 ) -> Result<(StatusCode, Json<SnapshotView>), ApiError> {
@@ -510,7 +536,7 @@ pub async fn create_checkpoint(
             ),
         ));
     }
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let a = app.clone();
     let (_, snap) = detached(async move {
         a.snapshot(vm, false, SnapshotKind::Checkpoint, Some(req.name))
@@ -528,9 +554,10 @@ errors!(ListCheckpointErrors = [VmNotFound]);
     responses((status = 200, description = "Oldest first", body = SnapshotList), ListCheckpointErrors))]
 pub async fn list_checkpoints(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<SnapshotList>, ApiError> {
-    let vm = vm_id(&app, &id).await?;
+    let vm = vm_id(&app, &caller, &id).await?;
     let all = app.db(|r| r.list_snapshots()).await?;
     Ok(Json(SnapshotList {
         snapshots: all
@@ -550,6 +577,7 @@ errors!(
         SnapshotFailed,
         BootFailed,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -562,13 +590,14 @@ errors!(
     responses((status = 200, description = "Restored and running", body = VmView), CheckpointRestoreErrors))]
 pub async fn restore_checkpoint(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<VmView>, ApiError> {
-    let cp = snapshot_row(&app, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
+    let cp = snapshot_row(&app, &caller, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
     let vm = cp
         .vm_id
         .ok_or_else(|| ApiError::new(Code::VmNotFound, "The checkpoint's sandbox is gone"))?;
-    vm_id(&app, &vm.to_string()).await?;
+    vm_id(&app, &caller, &vm.to_string()).await?;
     let a = app.clone();
     let s = detached(async move { a.restore_checkpoint(vm, cp.id).await }).await?;
     Ok(Json(s.into()))
@@ -582,10 +611,11 @@ pub async fn restore_checkpoint(
     responses((status = 201, description = "The new sandbox, running", body = VmView), CheckpointRestoreErrors))]
 pub async fn spawn_checkpoint(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<VmView>), ApiError> {
-    let cp = snapshot_row(&app, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
-    let s = from_snapshot(&app, &cp, None, Default::default())
+    let cp = snapshot_row(&app, &caller, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
+    let s = from_snapshot(&app, &caller, &cp, None, Default::default())
         .await
         .map_err(|e| match e.code {
             Code::SnapshotNotFound => ApiError::new(Code::CheckpointNotFound, e.message),
@@ -602,9 +632,10 @@ errors!(DeleteCheckpointErrors = [CheckpointNotFound]);
     responses((status = 200, description = "Deleted", body = SnapshotDeleted), DeleteCheckpointErrors))]
 pub async fn delete_checkpoint(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<SnapshotDeleted>, ApiError> {
-    let cp = snapshot_row(&app, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
+    let cp = snapshot_row(&app, &caller, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
     drop_snapshot(&app, cp.id).await?;
     Ok(Json(SnapshotDeleted {
         snapshot_id: cp.id,
@@ -616,6 +647,7 @@ pub async fn delete_checkpoint(
 /// (when given) `env` instead of the snapshot's.
 pub async fn from_snapshot(
     app: &Arc<App>,
+    caller: &Caller,
     snap: &SnapshotRow,
     env: Option<std::collections::BTreeMap<String, String>>,
     opts: FromSnapshot,
@@ -629,14 +661,16 @@ pub async fn from_snapshot(
         lineage_snapshot_id: Some(snap.id),
         ..Sandbox::starting(
             Uuid::new_v4(),
+            caller.name(),
             &snap.image,
             snap.cpus,
             snap.memory_mb,
             now_ms(),
         )
     };
+    let slot = app.hold_slots(caller.name(), vec![s.id]).await?;
     // Recorded only while the snapshot still is, in one write: from then on
-    // the sandbox keeps it.
+    // the sandbox keeps it (and the registry its slot).
     let row = s.clone();
     let recorded = app
         .db(move |r| {
@@ -649,6 +683,7 @@ pub async fn from_snapshot(
             Ok(there)
         })
         .await?;
+    drop(slot);
     if !recorded {
         return Err(ApiError::new(
             Code::SnapshotNotFound,
@@ -669,8 +704,12 @@ pub struct FromSnapshot {
 }
 
 /// The user snapshot or checkpoint `id` names, for a schedule.
-pub async fn for_schedule(app: &Arc<App>, id: &str) -> Result<SnapshotRow, ApiError> {
-    snapshot_row(app, id, USER_KINDS, Code::SnapshotNotFound)
+pub async fn for_schedule(
+    app: &Arc<App>,
+    caller: &Caller,
+    id: &str,
+) -> Result<SnapshotRow, ApiError> {
+    snapshot_row(app, caller, id, USER_KINDS, Code::SnapshotNotFound)
         .await
         .map_err(|e| e.with_field("snapshot"))
 }

@@ -25,6 +25,7 @@ use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
 use super::registry::{Sandbox, State as VmState};
 use super::supervisor::BootError;
+use super::tenants::Caller;
 use super::{lock, now_ms, App, MAX_BODY};
 
 type AppState = State<Arc<App>>;
@@ -76,6 +77,10 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
 pub fn router(app: Arc<App>, limits: &ExecLimitArgs) -> Router {
     let (api, _) = api().split_for_parts();
     api.fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            super::tenants::authenticate,
+        ))
         .layer(axum::middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
         .layer(axum::Extension(ExecLimits::new(limits)))
@@ -107,7 +112,7 @@ async fn count(State(app): AppState, req: Request, next: axum::middleware::Next)
     resp
 }
 
-errors!(MetricsErrors = []);
+errors!(MetricsErrors = [Forbidden]);
 
 /// Prometheus metrics
 ///
@@ -124,7 +129,21 @@ errors!(MetricsErrors = []);
             content_type = "text/plain; version=0.0.4; charset=utf-8"),
         MetricsErrors,
     ))]
-async fn metrics(State(app): AppState, limits: Limits) -> Result<Response, ApiError> {
+async fn metrics(
+    State(app): AppState,
+    caller: Caller,
+    limits: Limits,
+) -> Result<Response, ApiError> {
+    if !caller.0.operator {
+        return Err(ApiError::new(
+            Code::Forbidden,
+            format!(
+                "Tenant {:?} is not an operator: /metrics shows the whole service (operator = \
+                 true in the tenants file)",
+                caller.name()
+            ),
+        ));
+    }
     let all = app.db(|r| r.list_sandboxes()).await?;
     let by_state: Vec<(&str, u64)> = VmState::ALL
         .iter()
@@ -278,6 +297,24 @@ struct Info {
     images: Vec<super::registry::Image>,
     data_dir: String,
     exec_limits: ExecLimitsView,
+    /// The caller's tenant and its quota.
+    tenant: TenantView,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = Tenant)]
+struct TenantView {
+    /// `default` when sproutd runs without `--tenants`.
+    name: String,
+    /// Sandboxes it may run at once (none: no limit).
+    #[schema(required = true)]
+    slots: Option<u32>,
+    /// Slots held now: its starting, running and stopping sandboxes.
+    slots_in_use: u32,
+    /// Execs it may have in flight at once (none: no limit).
+    #[schema(required = true)]
+    max_execs: Option<u32>,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -309,8 +346,17 @@ errors!(InfoErrors = []);
 /// guest is built.
 #[utoipa::path(get, path = "/v1/info", operation_id = "info", tag = "service",
     responses((status = 200, description = "What this sproutd is", body = Info), InfoErrors))]
-async fn info(State(app): AppState, limits: Limits) -> Json<Info> {
-    Json(Info {
+async fn info(
+    State(app): AppState,
+    caller: Caller,
+    limits: Limits,
+) -> Result<Json<Info>, ApiError> {
+    let name = caller.name().to_owned();
+    let held = app.db(move |r| r.slot_holders(&name)).await?;
+    let policy = app.tenants.policy(caller.name());
+    let mut in_use = held;
+    in_use.extend(app.slots.pending(caller.name()));
+    Ok(Json(Info {
         version: env!("CARGO_PKG_VERSION"),
         host_mode: HostModeView {
             linux_guests: app.host.linux_guests,
@@ -321,7 +367,13 @@ async fn info(State(app): AppState, limits: Limits) -> Json<Info> {
         images: app.images.clone(),
         data_dir: app.data_dir.display().to_string(),
         exec_limits: limits.view(),
-    })
+        tenant: TenantView {
+            name: caller.name().to_owned(),
+            slots: policy.slots,
+            slots_in_use: in_use.len() as u32,
+            max_execs: policy.max_execs,
+        },
+    }))
 }
 
 errors!(OpenapiErrors = []);
@@ -524,6 +576,7 @@ errors!(
         SnapshotFailed,
         WorkerFailed,
         AgentUnavailable,
+        QuotaExhausted,
     ]
 );
 
@@ -541,6 +594,7 @@ errors!(
     responses((status = 201, description = "The sandbox, running", body = VmView), ScheduleErrors))]
 async fn schedule(
     State(app): AppState,
+    caller: Caller,
     ApiJson(req): ApiJson<ScheduleReq>,
 ) -> Result<(StatusCode, Json<VmView>), ApiError> {
     if let Some(snap) = &req.snapshot {
@@ -566,7 +620,7 @@ async fn schedule(
         }
         let metadata = req.metadata.unwrap_or_default();
         check_metadata(&metadata)?;
-        let snap = super::rest::for_schedule(&app, snap).await?;
+        let snap = super::rest::for_schedule(&app, &caller, snap).await?;
         if snap.image != TEST_GUEST_IMAGE && !app.host.linux_guests {
             return Err(host_unsupported(&app));
         }
@@ -576,7 +630,7 @@ async fn schedule(
             idle_timeout_secs: idle,
             metadata,
         };
-        let s = super::rest::from_snapshot(&app, &snap, req.env, opts).await?;
+        let s = super::rest::from_snapshot(&app, &caller, &snap, req.env, opts).await?;
         app.metrics.create.observe(t.elapsed());
         return Ok((StatusCode::CREATED, Json(s.into())));
     }
@@ -623,7 +677,7 @@ async fn schedule(
                     idle_timeout_secs: idle,
                     metadata,
                 };
-                let s = super::rest::from_snapshot(&app, &snap, Some(env), opts).await;
+                let s = super::rest::from_snapshot(&app, &caller, &snap, Some(env), opts).await;
                 app.metrics.create.observe(t.elapsed());
                 return match s {
                     Ok(s) => Ok((StatusCode::CREATED, Json(s.into()))),
@@ -643,10 +697,20 @@ async fn schedule(
         idle_timeout_secs: idle,
         env,
         metadata,
-        ..Sandbox::starting(Uuid::new_v4(), &image, cpus, memory_mb, now_ms())
+        ..Sandbox::starting(
+            Uuid::new_v4(),
+            caller.name(),
+            &image,
+            cpus,
+            memory_mb,
+            now_ms(),
+        )
     };
+    let slot = app.hold_slots(caller.name(), vec![s.id]).await?;
     let row = s.clone();
     app.db(move |r| r.insert_sandbox(&row)).await?;
+    // Recorded `starting`: the registry holds its slot from here.
+    drop(slot);
     tracing::info!(vm = %s.id, image = %s.image, "scheduling");
     // The boot goes on whatever happens to this request.
     let task = tokio::spawn(start(app.clone(), s.clone(), img.path));
@@ -670,7 +734,7 @@ async fn schedule(
             format!("Sandbox {id} failed to start: {why}"),
         ));
     }
-    let s = app.sandbox(&id.to_string()).await?;
+    let s = app.sandbox(&caller, &id.to_string()).await?;
     Ok((StatusCode::CREATED, Json(s.into())))
 }
 
@@ -718,6 +782,7 @@ errors!(ListErrors = [BadRequest]);
     responses((status = 200, description = "The sandboxes", body = VmList), ListErrors))]
 async fn list(
     State(app): AppState,
+    caller: Caller,
     query: Result<Query<Vec<(String, String)>>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<VmList>, ApiError> {
     let Query(pairs) =
@@ -737,6 +802,7 @@ async fn list(
     let all = app.db(|r| r.list_sandboxes()).await?;
     let vms: Vec<VmView> = all
         .into_iter()
+        .filter(|s| caller.owns(&s.tenant))
         .filter(|s| {
             want.iter()
                 .all(|(k, v)| s.metadata.get(k).is_some_and(|x| x == v))
@@ -752,8 +818,12 @@ errors!(GetVmErrors = [VmNotFound]);
 #[utoipa::path(get, path = "/v1/runtime/vms/{id}", operation_id = "getVm", tag = "sandboxes",
     params(("id" = String, Path, description = "The sandbox's id")),
     responses((status = 200, description = "The sandbox", body = VmView), GetVmErrors))]
-async fn get_vm(State(app): AppState, Path(id): Path<String>) -> Result<Json<VmView>, ApiError> {
-    Ok(Json(app.sandbox(&id).await?.into()))
+async fn get_vm(
+    State(app): AppState,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<VmView>, ApiError> {
+    Ok(Json(app.sandbox(&caller, &id).await?.into()))
 }
 
 #[derive(Serialize, ToSchema)]
@@ -777,9 +847,10 @@ errors!(DeleteVmErrors = [VmNotFound, InvalidState, WorkerFailed]);
     responses((status = 200, description = "Deleted", body = Deleted), DeleteVmErrors))]
 async fn delete_vm(
     State(app): AppState,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<Deleted>, ApiError> {
-    let vm = app.sandbox(&id).await?.id;
+    let vm = app.sandbox(&caller, &id).await?.id;
     let a = app.clone();
     super::lifecycle::detached(async move { delete(a, vm).await }).await?;
     tracing::info!(vm = %vm, "deleted");
@@ -793,7 +864,11 @@ async fn delete_vm(
 /// go with it.
 async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
     let _g = app.lifecycle.lock_of(vm).write_owned().await;
-    let s = app.sandbox(&vm.to_string()).await?;
+    // Looked at again under its lock (the caller's it was).
+    let s = app
+        .db(move |r| r.get_sandbox(vm))
+        .await?
+        .ok_or_else(|| ApiError::vm_not_found(&vm.to_string()))?;
     if s.state == VmState::Starting {
         return Err(ApiError::in_state(
             Code::InvalidState,

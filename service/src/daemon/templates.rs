@@ -173,7 +173,7 @@ impl App {
         started: Instant,
     ) -> Result<SnapshotRow, ApiError> {
         // Not a sandbox: never in the registry, its directory removed after.
-        let mut s = Sandbox::starting(build_id, &image.name, cpus, memory_mb, now_ms());
+        let mut s = Sandbox::starting(build_id, "", &image.name, cpus, memory_mb, now_ms());
         let (a, row, path) = (self.clone(), s.clone(), image.path.clone());
         let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path)))
             .await
@@ -220,6 +220,8 @@ impl App {
                     .map_err(|e| ApiError::new(Code::SnapshotFailed, e))?;
             let snap = SnapshotRow {
                 id: snap_id,
+                // sproutd's own: no tenant's.
+                tenant: String::new(),
                 vm_id: None,
                 name: Some(format!("{} {cpus} vCPU {memory_mb} MiB", image.name)),
                 dir: w.dir,
@@ -294,7 +296,7 @@ impl App {
             let s = Sandbox {
                 state: VmState::Stopping,
                 worker_socket: sock.symlink_metadata().is_ok().then_some(sock),
-                ..Sandbox::starting(id, "", 1, 128, 0)
+                ..Sandbox::starting(id, "", "", 1, 128, 0)
             };
             let a = self.clone();
             let r = tokio::task::spawn_blocking(move || a.supervisor.stop(&s, None)).await;
