@@ -223,7 +223,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         let (c, url) = (c.clone(), h.url(&format!("/v1/runtime/vms/{second}/exec")));
         tokio::spawn(async move {
             c.post(url)
-                .json(&json!({"command": "sleep", "argv": ["20"]}))
+                .json(&json!({"command": "sleep", "argv": ["600"], "timeoutMs": 90000}))
                 .send()
                 .await
         })
@@ -234,7 +234,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
             let t = Instant::now();
             loop {
                 let v: Value = c.get(&url).send().await.unwrap().json().await.unwrap();
-                if v["execLimits"]["inFlight"] == n {
+                if v["tenant"]["execsInFlight"] == n {
                     return;
                 }
                 assert!(t.elapsed() < Duration::from_secs(120), "{v}");
@@ -258,9 +258,11 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
             .contains("max_execs"),
         "{v}"
     );
-    // Once it ends, the next one is admitted.
+    // Once it ends (its timeout), the next one is admitted.
     let r = long.await.unwrap().unwrap();
     assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["timedOut"], true, "{v}");
     in_flight(0).await;
     let v = exec(&c, &h, &second, "true", &[]).await;
     assert_eq!(v["exitCode"], 0, "{v}");

@@ -143,6 +143,32 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
         let r = anon.get(d.url(p)).send().await.unwrap();
         assert_eq!(r.status(), 200, "{p}");
     }
+    // Nothing else is public: not the raw file routes, not a HEAD, not a
+    // public path with more to it.
+    let vm0 = uuid_like();
+    for (m, p) in [
+        (
+            Method::GET,
+            format!("/v1/runtime/vms/{vm0}/files/raw?path=/workspace/f"),
+        ),
+        (
+            Method::PUT,
+            format!("/v1/runtime/vms/{vm0}/files/raw?path=/workspace/f"),
+        ),
+        (Method::HEAD, "/v1/runtime/vms".to_owned()),
+        (Method::GET, "/v1/health/".to_owned()),
+        (Method::GET, "/v1/health/../runtime/vms".to_owned()),
+        (Method::GET, "/no/such/route".to_owned()),
+    ] {
+        let r = anon.request(m.clone(), d.url(&p)).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{m} {p}");
+    }
+    // A non-operator sees neither the data directory nor the service's
+    // execs in flight.
+    let info = get(&a, &d, "/v1/info").await;
+    assert!(info.get("dataDir").is_none(), "{info}");
+    assert!(info["execLimits"].get("inFlight").is_none(), "{info}");
+    assert_eq!(info["tenant"]["execsInFlight"], 0, "{info}");
     assert_eq!(get(&b, &d, "/v1/info").await["tenant"]["name"], "b");
 
     // Tenant A's sandbox, snapshot and checkpoint.
@@ -304,7 +330,7 @@ async fn quota_slots_are_held_by_running_sandboxes_only() {
     let info = get(&c, &d, "/v1/info").await;
     assert_eq!(
         info["tenant"],
-        json!({"name": "q", "slots": 2, "slotsInUse": 2, "maxExecs": 4})
+        json!({"name": "q", "slots": 2, "slotsInUse": 2, "maxExecs": 4, "execsInFlight": 0})
     );
     let full = |m: &str| assert!(m.contains("2 of its 2"), "{m}");
     let r = post(&c, &d, "/v1/runtime/schedule", tg.clone()).await;

@@ -113,8 +113,11 @@ pub struct ExecLimitsView {
     max_execs_per_vm: u32,
     /// `--max-execs`.
     max_execs: u32,
-    /// Execs in flight now, in every sandbox.
-    in_flight: u32,
+    /// Execs in flight now, in every sandbox (shown to an operator
+    /// tenant only, with `--tenants`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    in_flight: Option<u32>,
 }
 
 impl ExecLimits {
@@ -189,11 +192,21 @@ impl ExecLimits {
         super::lock(&self.counts).total
     }
 
-    pub fn view(&self) -> ExecLimitsView {
+    /// Execs of `tenant` in flight now.
+    pub fn tenant_in_flight(&self, tenant: &str) -> u32 {
+        super::lock(&self.counts)
+            .by_tenant
+            .get(tenant)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The limits, and (for an operator) the execs in flight.
+    pub fn view(&self, operator: bool) -> ExecLimitsView {
         ExecLimitsView {
             max_execs_per_vm: self.per_vm,
             max_execs: self.global,
-            in_flight: self.in_flight(),
+            in_flight: operator.then(|| self.in_flight()),
         }
     }
 

@@ -43,6 +43,8 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         pool: super::pool::Pool::new(data_dir, 0),
         tenants: super::tenants::Tenants::single(),
         slots: Default::default(),
+        mirror: None,
+        retention: (0, 0),
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))
 }

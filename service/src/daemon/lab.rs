@@ -110,8 +110,9 @@ struct Config {
     tenants: Option<PathBuf>,
 }
 
-/// Where the lab's sproutd finds the tenants file: the data disk's root.
-const INNER_TENANTS: &str = "/data/tenants.toml";
+/// Where the lab's sproutd finds the tenants file (its init unpacks it
+/// there from the third drive, [`tenants_drive`]).
+const INNER_TENANTS: &str = "/run/sprout/tenants.toml";
 
 /// The lab directory: `$SPROUT_LAB`, else `<cache>/lab` (tests/lab/build.sh).
 pub fn lab_dir() -> PathBuf {
@@ -202,50 +203,62 @@ fn ensure_data_disk(disk: &Path) -> Result<(), LabError> {
     std::fs::rename(&tmp, disk).map_err(|e| err(e.to_string()))
 }
 
-/// Copies `file` to the root of the (unmounted) data disk, as
-/// `tenants.toml`, with debugfs (e2fsprogs, which made the disk), and
-/// reads it back.
-fn put_tenants(disk: &Path, file: &Path) -> Result<(), LabError> {
+/// The drive that brings the tenants file into the lab: a tar archive
+/// (ustar) of one file, `tenants.toml`, that the lab's init unpacks to
+/// [`INNER_TENANTS`]. Remade before each boot from `file` if it loads; if
+/// it does not, the last good drive is kept (and the error told), so that
+/// a bad edit never stops the lab from coming back.
+fn tenants_drive(dir: &Path, file: &Path) -> Result<PathBuf, LabError> {
+    let drive = dir.join("tenants.tar");
     let err = |m: String| LabError::Tenants(file.to_owned(), m);
-    let want = std::fs::read(file).map_err(|e| err(e.to_string()))?;
-    let name = INNER_TENANTS.trim_start_matches("/data/");
-    // debugfs splits its commands at spaces: a copy with a plain name,
-    // beside the disk, where debugfs runs.
-    let tmp = disk.with_file_name("tenants.toml.in");
-    std::fs::write(&tmp, &want).map_err(|e| err(e.to_string()))?;
-    let cmds = format!("rm {name}\nwrite tenants.toml.in {name}\n");
-    let run = |args: &[&str], input: Option<&str>| -> Result<Vec<u8>, LabError> {
-        let mut c = std::process::Command::new("debugfs");
-        c.args(args).arg(disk);
-        if let Some(d) = disk.parent().filter(|d| !d.as_os_str().is_empty()) {
-            c.current_dir(d);
+    let fresh = super::tenants::Tenants::load(file)
+        .map_err(|e| super::error::chain(&e))
+        .and_then(|_| std::fs::read(file).map_err(|e| e.to_string()));
+    let bytes = match fresh {
+        Ok(b) if b.len() <= MAX_LAB_TENANTS => b,
+        Ok(b) => {
+            return Err(err(format!(
+                "it is {} bytes; the lab takes at most {MAX_LAB_TENANTS}",
+                b.len()
+            )))
         }
-        c.stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null());
-        let mut ch = c.spawn().map_err(|e| {
-            err(format!(
-                "cannot run debugfs ({e}): apt-get install --no-install-recommends e2fsprogs"
-            ))
-        })?;
-        if let (Some(mut i), Some(text)) = (ch.stdin.take(), input) {
-            let _ = std::io::Write::write_all(&mut i, text.as_bytes());
+        Err(e) if drive.is_file() => {
+            eprintln!("sproutd: {e}; the lab keeps the tenants file it had");
+            return Ok(drive);
         }
-        let out = ch.wait_with_output().map_err(|e| err(e.to_string()))?;
-        Ok(out.stdout)
+        Err(e) => return Err(err(e)),
     };
-    let r = run(&["-w", "-f", "-"], Some(&cmds));
-    let _ = std::fs::remove_file(&tmp);
-    r?;
-    let got = run(&["-R", &format!("cat {name}")], None)?;
-    if got != want {
-        return Err(err(format!(
-            "debugfs wrote {} bytes, {} read back differ",
-            want.len(),
-            got.len()
-        )));
-    }
-    Ok(())
+    let tmp = dir.join("tenants.tar.tmp");
+    std::fs::write(&tmp, ustar("tenants.toml", &bytes)).map_err(|e| err(e.to_string()))?;
+    std::fs::rename(&tmp, &drive).map_err(|e| err(e.to_string()))?;
+    Ok(drive)
+}
+
+/// Most bytes of a tenants file served from the lab (it also goes over
+/// the console at a SIGHUP).
+const MAX_LAB_TENANTS: usize = 1 << 20;
+
+/// A ustar archive of one regular file `name` (root's, mode 0600).
+fn ustar(name: &str, data: &[u8]) -> Vec<u8> {
+    let mut h = [0u8; 512];
+    let put = |h: &mut [u8; 512], at: usize, v: &[u8]| h[at..at + v.len()].copy_from_slice(v);
+    put(&mut h, 0, name.as_bytes());
+    put(&mut h, 100, b"0000600\0");
+    put(&mut h, 108, b"0000000\0");
+    put(&mut h, 116, b"0000000\0");
+    put(&mut h, 124, format!("{:011o}\0", data.len()).as_bytes());
+    put(&mut h, 136, b"00000000000\0");
+    h[156] = b'0';
+    put(&mut h, 257, b"ustar\0");
+    put(&mut h, 263, b"00");
+    // The checksum counts its own field as spaces.
+    put(&mut h, 148, b"        ");
+    let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+    put(&mut h, 148, format!("{sum:06o}\0 ").as_bytes());
+    let mut out = h.to_vec();
+    out.extend_from_slice(data);
+    out.resize(out.len().div_ceil(512) * 512 + 1024, 0);
+    out
 }
 
 /// What the console reader saw.
@@ -273,7 +286,7 @@ struct Run {
 }
 
 impl Run {
-    fn start(cfg: &Config) -> Result<Run, LabError> {
+    fn start(cfg: &Config, tenants: Option<&Path>) -> Result<Run, LabError> {
         let console = cfg.dir.join("console.log");
         // The previous boot's console, for a look after a restart.
         let _ = std::fs::rename(&console, cfg.dir.join("console.log.1"));
@@ -293,8 +306,12 @@ impl Run {
             .arg("-drive")
             .arg(drive(&cfg.lab.join("images.ext4"), true))
             .arg("-drive")
-            .arg(drive(&cfg.disk, false))
-            .arg("-nic")
+            .arg(drive(&cfg.disk, false));
+        if let Some(t) = tenants {
+            // The third drive: /dev/vdc in the lab.
+            cmd.arg("-drive").arg(drive(t, true));
+        }
+        cmd.arg("-nic")
             .arg(format!(
                 "user,model=virtio-net-pci,restrict=on,hostfwd=tcp:{}:{}-:{INNER_PORT}",
                 cfg.addr.ip(),
@@ -528,6 +545,13 @@ impl Run {
             return;
         }
         let Ok(bytes) = std::fs::read(f) else { return };
+        if bytes.len() > MAX_LAB_TENANTS {
+            eprintln!(
+                "sproutd: SIGHUP: the tenants file is over {MAX_LAB_TENANTS} bytes, the lab's \
+                 limit; the tenants in force stay"
+            );
+            return;
+        }
         let b64 = base64::engine::general_purpose::STANDARD.encode(bytes);
         let mut msg = String::from("SPROUT-LAB-TENANTS-BEGIN\n");
         for part in b64.as_bytes().chunks(512) {
@@ -537,7 +561,14 @@ impl Run {
         }
         msg.push_str("SPROUT-LAB-TENANTS-END\n");
         if let Some(stdin) = self.stdin.as_mut() {
-            let ok = stdin.write_all(msg.as_bytes()).await.is_ok() && stdin.flush().await.is_ok();
+            let send = async {
+                stdin.write_all(msg.as_bytes()).await?;
+                stdin.flush().await
+            };
+            let ok = matches!(
+                tokio::time::timeout(Duration::from_secs(30), send).await,
+                Ok(Ok(()))
+            );
             if ok {
                 eprintln!("sproutd: SIGHUP: the tenants file went to the lab's sproutd");
             } else {
@@ -731,12 +762,13 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
     let mut first = true;
     loop {
         let started = Instant::now();
-        if let Some(t) = &cfg.tenants {
-            // Read again at each boot: a restart of sproutd (or of the lab)
-            // takes the file's changes.
-            put_tenants(&cfg.disk, t)?;
-        }
-        let mut run = Run::start(&cfg)?;
+        // Read again at each boot: a restart of the lab takes the file's
+        // changes.
+        let tenants = match &cfg.tenants {
+            Some(t) => Some(tenants_drive(&cfg.dir, t)?),
+            None => None,
+        };
+        let mut run = Run::start(&cfg, tenants.as_deref())?;
         match run.until_ready(&cfg, &mut stop).await {
             Ok(true) => {}
             Ok(false) => {
@@ -845,6 +877,34 @@ mod tests {
         assert!(!is_kernel_line(
             "2026-12-01T15:58:14Z  INFO service::daemon: x"
         ));
+    }
+
+    #[test]
+    fn the_tenants_drive_is_a_tar_that_tar_unpacks() {
+        let d = tempfile::tempdir().unwrap();
+        let text: String = (0..40)
+            .map(|i| format!("[[tenant]]\nname = \"t{i}\"\n"))
+            .collect();
+        let f = d.path().join("t.toml");
+        std::fs::write(&f, &text).unwrap();
+        let drive = tenants_drive(d.path(), &f).unwrap();
+        let bytes = std::fs::read(&drive).unwrap();
+        assert_eq!(bytes.len() % 512, 0);
+        let out = std::process::Command::new("tar")
+            .arg("-xOf")
+            .arg(&drive)
+            .arg("tenants.toml")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), text);
+        // A bad edit keeps the last good drive.
+        std::fs::write(&f, "[[tenant]]\nname = 7\n").unwrap();
+        assert_eq!(tenants_drive(d.path(), &f).unwrap(), drive);
+        assert_eq!(std::fs::read(&drive).unwrap(), bytes);
+        // With no good drive yet, the error is told.
+        let e = tenants_drive(&d.path().join("none"), &f).unwrap_err();
+        assert!(e.to_string().contains("not valid"), "{e}");
     }
 
     #[test]

@@ -174,6 +174,9 @@ impl App {
     /// paused` (a pause is an operator's and is never undone by a call).
     pub async fn live(self: &Arc<Self>, caller: &Caller, id: &str) -> Result<Live, ApiError> {
         let vm = Uuid::parse_str(id).map_err(|_| ApiError::vm_not_found(id))?;
+        // Looked up before any lock is made or dropped: an unknown id, or
+        // another tenant's, touches no lock nor activity of the owner's.
+        self.sandbox(caller, id).await?;
         let l = self.lifecycle.lock_of(vm);
         // A wake, then a second look; a sandbox that fell asleep again in
         // between (a zero-activity race with the sweeper) is woken again,
@@ -184,7 +187,8 @@ impl App {
                 let s = match self.sandbox(caller, id).await {
                     Ok(s) => s,
                     Err(e) => {
-                        // No lock is kept for an id nothing has.
+                        // No lock is kept for an id nothing has (the
+                        // caller's own, deleted since the look above).
                         if e.code == Code::VmNotFound {
                             self.lifecycle.forget(vm);
                         }
@@ -338,6 +342,18 @@ impl App {
             }
             _ => None,
         };
+        // A diff needs its parent's files: gone from this disk, they come
+        // back from the object store; if they cannot, the snapshot is full.
+        let parent = match parent {
+            Some(p) => match self.ensure_local(p.id).await {
+                Ok(()) => Some(p),
+                Err(e) => {
+                    tracing::warn!(vm = %s.id, "{e}: a full snapshot instead of a diff");
+                    None
+                }
+            },
+            None => None,
+        };
         let id = Uuid::new_v4();
         let (a, row, diff) = (self.clone(), s.clone(), parent.is_some());
         let t = Instant::now();
@@ -363,6 +379,7 @@ impl App {
             env: s.env.clone(),
             size_bytes: w.size_bytes,
             created_ms: now_ms(),
+            uploaded_ms: None,
         };
         let (row, vm, rest) = (snap.clone(), s.id, s.rest_snapshot_id);
         let recorded = self
@@ -377,6 +394,7 @@ impl App {
             return Err(e);
         }
         self.metrics.snapshot.observe(t.elapsed());
+        self.snapshot_taken();
         tracing::info!(
             vm = %s.id, snapshot = %id, kind = kind.as_str(), diff,
             bytes = snap.size_bytes, "snapshot in {} ms", t.elapsed().as_millis()
@@ -424,8 +442,44 @@ impl App {
                 .await?;
         }
         let snap = self.take_snapshot(&s, kind, name).await?;
+        if kind == SnapshotKind::User {
+            self.retain(id).await;
+        }
         let s = self.get(id).await?;
         Ok((s, snap))
+    }
+
+    /// Retention, after a user snapshot of `vm`: its user snapshots past
+    /// the newest kept, or older than the days kept, are deleted (those a
+    /// checkpoint, a template or a sandbox builds on are kept; see
+    /// [`super::registry::Registry::retention_victims`]).
+    async fn retain(self: &Arc<Self>, vm: Uuid) {
+        let (keep, days) = self.retention;
+        if keep == 0 && days == 0 {
+            return;
+        }
+        let before = if days == 0 {
+            0
+        } else {
+            now_ms().saturating_sub(u64::from(days) * 86_400_000)
+        };
+        let r = self
+            .db(move |r| {
+                let victims = r.retention_victims(vm, keep, before)?;
+                for v in &victims {
+                    r.set_snapshot_kind(*v, SnapshotKind::Dropped)?;
+                }
+                Ok(victims)
+            })
+            .await;
+        match r {
+            Ok(v) if !v.is_empty() => {
+                tracing::info!(vm = %vm, "retention deleted {} snapshots", v.len());
+                self.collect_garbage().await;
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(vm = %vm, "retention: {}", e.message),
+        }
     }
 
     async fn get(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
@@ -588,6 +642,9 @@ impl App {
         snap: Uuid,
         hostname: Option<String>,
     ) -> Result<(), ApiError> {
+        self.ensure_local(snap)
+            .await
+            .map_err(|e| ApiError::new(Code::SnapshotFailed, e))?;
         let chain = self.chain_dirs(snap).await?;
         let iid = vmm::new_instance_id();
         // The base image is the snapshot's only file outside it.
@@ -1004,13 +1061,17 @@ impl App {
         match self.db(|r| r.collect_garbage()).await {
             Ok(gone) if !gone.is_empty() => {
                 let a = self.clone();
-                let _ = tokio::task::spawn_blocking(move || {
+                let gone = tokio::task::spawn_blocking(move || {
                     for g in &gone {
                         a.supervisor.remove_snapshot(&g.dir);
                     }
                     tracing::info!("removed {} snapshots nothing builds on", gone.len());
+                    gone
                 })
                 .await;
+                if let Ok(gone) = gone {
+                    self.forget_uploaded(gone);
+                }
             }
             Ok(_) => {}
             Err(e) => tracing::warn!("snapshot garbage collection: {}", e.message),

@@ -18,6 +18,7 @@ pub mod in_process;
 mod lab;
 mod lifecycle;
 mod metrics;
+mod mirror;
 pub mod openapi;
 mod pool;
 mod procs;
@@ -84,6 +85,8 @@ pub struct DaemonArgs {
     pub check_host: bool,
     #[command(flatten)]
     pub exec_limits: exec_limits::ExecLimitArgs,
+    #[command(flatten)]
+    pub store: mirror::StoreArgs,
     /// Start workers unjailed even as root, for debugging: each then runs
     /// as root and sees the whole host. By default a root `sproutd` jails
     /// every worker (docs/api.md, "Jailed workers").
@@ -129,6 +132,7 @@ pub enum DaemonError {
     Lab(#[from] lab::LabError),
     #[error(transparent)]
     Tenants(#[from] tenants::TenantsError),
+    /// A setting refused, saying why.
     #[error("{0}")]
     Insecure(String),
 }
@@ -167,6 +171,10 @@ pub struct App {
     tenants: tenants::Tenants,
     /// Sandbox slots held for starts and wakes in flight.
     slots: Arc<tenants::Slots>,
+    /// The object store snapshots are mirrored to, if any.
+    mirror: Option<mirror::Mirror>,
+    /// Retention of user snapshots: (newest kept, days kept; 0: no limit).
+    retention: (u32, u32),
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -406,6 +414,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             tenants::Tenants::single()
         }
     };
+    let mirror = mirror::Mirror::new(&args.store).map_err(DaemonError::Insecure)?;
     let probe = vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir())
         .map_err(|e| error::chain(&e));
     // Where this KVM cannot run Linux guests, serve from the lab (unless
@@ -415,6 +424,13 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             Ok(()) => "--lab was given",
             Err(e) => e.as_str(),
         };
+        if args.store.s3_endpoint.is_some() {
+            return Err(DaemonError::Insecure(
+                "--s3-endpoint is not served from the emulated lab yet (its network reaches \
+                 nothing outside it): run sproutd with --no-lab for the snapshot store's mirror"
+                    .into(),
+            ));
+        }
         return lab::serve(&args, &data_dir, why);
     }
     let mut registry = Registry::open(&data_dir.join("registry.db"))?;
@@ -440,12 +456,17 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         pool: pool::Pool::new(&data_dir, usize::from(args.ready_workers)),
         tenants,
         slots: Default::default(),
+        mirror,
+        retention: (args.store.keep_snapshots, args.store.keep_days),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(DaemonError::Runtime)?;
     rt.block_on(async move {
+        // Caught from the start: a SIGHUP while workers are re-adopted
+        // must not end sproutd.
+        reload_on_hangup(&app);
         if let Err(e) = app.adopt_all().await {
             tracing::error!("re-adopting workers: {}", e.message);
         }
@@ -460,7 +481,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         app.sweep_orphan_snapshots().await;
         app.collect_garbage().await;
         lifecycle::sweeper(&app);
-        reload_on_hangup(&app);
+        app.start_uploader();
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .map_err(|e| DaemonError::Listen(args.listen, e))?;

@@ -105,6 +105,10 @@ const MIGRATIONS: &[&str] = &[
     UPDATE snapshots SET tenant = '' WHERE kind = 'template';
     CREATE INDEX sandboxes_by_tenant ON sandboxes(tenant, state);
     "#,
+    // 4: the snapshot store's mirror: when a snapshot was uploaded whole.
+    r#"
+    ALTER TABLE snapshots ADD COLUMN uploaded_ms INTEGER;
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -328,6 +332,9 @@ pub struct SnapshotRow {
     pub env: BTreeMap<String, String>,
     pub size_bytes: u64,
     pub created_ms: u64,
+    /// When it was uploaded whole to the object store (none: not yet, or
+    /// no store).
+    pub uploaded_ms: Option<u64>,
 }
 
 /// Where a template's build is.
@@ -583,6 +590,70 @@ impl Registry {
         Ok(out)
     }
 
+    /// Records that snapshot `id` is in the object store.
+    pub fn set_uploaded(&self, id: Uuid, at_ms: u64) -> Result<bool, RegistryError> {
+        let n = self.conn.execute(
+            "UPDATE snapshots SET uploaded_ms = ?2 WHERE id = ?1",
+            params![id.to_string(), at_ms as i64],
+        )?;
+        Ok(n == 1)
+    }
+
+    /// The user snapshots of `vm` that retention deletes: all but the
+    /// newest `keep` (0: no limit), and any taken before `before_ms` (0: no
+    /// limit); never one that a checkpoint, a template or a sleeping
+    /// sandbox's snapshot builds on, nor one a sandbox was made from (or
+    /// builds on through it).
+    pub fn retention_victims(
+        &self,
+        vm: Uuid,
+        keep: u32,
+        before_ms: u64,
+    ) -> Result<Vec<Uuid>, RegistryError> {
+        let all = self.list_snapshots()?;
+        let by_id: std::collections::HashMap<Uuid, &SnapshotRow> =
+            all.iter().map(|s| (s.id, s)).collect();
+        let mut protected = std::collections::HashSet::new();
+        let mut protect = |from: Option<Uuid>| {
+            let mut next = from;
+            let mut n = 0;
+            while let Some(id) = next {
+                if !protected.insert(id) || n > vmm::MAX_CHAIN_DEPTH + 1 {
+                    break;
+                }
+                n += 1;
+                next = by_id.get(&id).and_then(|s| s.parent_id);
+            }
+        };
+        for s in &all {
+            if matches!(
+                s.kind,
+                SnapshotKind::Checkpoint | SnapshotKind::Template | SnapshotKind::Rest
+            ) {
+                protect(Some(s.id));
+            }
+        }
+        for sb in self.list_sandboxes()? {
+            protect(sb.snapshot_id);
+            protect(sb.rest_snapshot_id);
+        }
+        let mut mine: Vec<&SnapshotRow> = all
+            .iter()
+            .filter(|s| s.kind == SnapshotKind::User && s.vm_id == Some(vm))
+            .collect();
+        // Newest first.
+        mine.sort_by(|a, b| b.created_ms.cmp(&a.created_ms).then(b.id.cmp(&a.id)));
+        Ok(mine
+            .into_iter()
+            .enumerate()
+            .filter(|(i, s)| {
+                (keep > 0 && *i >= keep as usize) || (before_ms > 0 && s.created_ms < before_ms)
+            })
+            .map(|(_, s)| s.id)
+            .filter(|id| !protected.contains(id))
+            .collect())
+    }
+
     pub fn set_snapshot_kind(&self, id: Uuid, kind: SnapshotKind) -> Result<bool, RegistryError> {
         let n = self.conn.execute(
             "UPDATE snapshots SET kind = ?2 WHERE id = ?1",
@@ -751,14 +822,14 @@ impl Registry {
 
     /// Every sandbox, oldest first.
     /// The sandboxes of `tenant` that hold a slot: every one whose VM is
-    /// meant to run (starting, running, or being deleted).
+    /// meant to run (starting or running; one being deleted holds none,
+    /// whatever it was before).
     pub fn slot_holders(
         &self,
         tenant: &str,
     ) -> Result<std::collections::HashSet<Uuid>, RegistryError> {
         let mut st = self.conn.prepare_cached(
-            "SELECT id FROM sandboxes WHERE tenant = ?1 AND state IN ('starting', 'running', \
-             'stopping')",
+            "SELECT id FROM sandboxes WHERE tenant = ?1 AND state IN ('starting', 'running')",
         )?;
         let ids = st.query_map([tenant], |r| r.get::<_, String>(0))?;
         let mut out = std::collections::HashSet::new();
@@ -825,7 +896,7 @@ const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle
     failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname, tenant";
 
 const SNAP_COLUMNS: &str = "id, vm_id, name, dir, kind, parent_id, depth, image, cpus, memory_mb, \
-    env, size_bytes, created_ms, tenant";
+    env, size_bytes, created_ms, tenant, uploaded_ms";
 
 fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryError>> {
     let id: String = r.get(0)?;
@@ -842,8 +913,10 @@ fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryErr
     let size: i64 = r.get(11)?;
     let created: i64 = r.get(12)?;
     let tenant: String = r.get(13)?;
+    let uploaded: Option<i64> = r.get(14)?;
     Ok((|| {
         Ok(SnapshotRow {
+            uploaded_ms: uploaded.map(|u| u.max(0) as u64),
             id: Uuid::parse_str(&id)
                 .map_err(|_| RegistryError::BadRow(format!("snapshot id {id:?}")))?,
             tenant,
@@ -960,6 +1033,7 @@ mod tests {
     fn snap(kind: SnapshotKind, parent: Option<&SnapshotRow>) -> SnapshotRow {
         SnapshotRow {
             tenant: "t".into(),
+            uploaded_ms: None,
             id: Uuid::new_v4(),
             vm_id: None,
             name: None,

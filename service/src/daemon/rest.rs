@@ -16,7 +16,7 @@ use super::lifecycle::detached;
 use super::openapi::errors;
 use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State as VmState};
 use super::routes::{ApiJson, VmView};
-use super::tenants::Caller;
+use super::tenants::{Caller, SlotHold};
 use super::{now_ms, App};
 
 type AppState = State<Arc<App>>;
@@ -364,6 +364,10 @@ pub struct SnapshotView {
     parent_snapshot_id: Option<Uuid>,
     /// Bytes it takes on disk (a diff: what changed).
     size_bytes: u64,
+    /// Whether it is in the object store (sproutd's `--s3-endpoint`), with
+    /// every snapshot it builds on: it survives the loss of this node's
+    /// disk.
+    durable: bool,
     #[schema(format = DateTime)]
     created_at: String,
 }
@@ -381,6 +385,7 @@ impl From<SnapshotRow> for SnapshotView {
             memory_mb: s.memory_mb,
             parent_snapshot_id: s.parent_id,
             size_bytes: s.size_bytes,
+            durable: s.uploaded_ms.is_some(),
             created_at: humantime::format_rfc3339_millis(at).to_string(),
         }
     }
@@ -615,7 +620,9 @@ pub async fn spawn_checkpoint(
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<VmView>), ApiError> {
     let cp = snapshot_row(&app, &caller, &id, CHECKPOINT, Code::CheckpointNotFound).await?;
-    let s = from_snapshot(&app, &caller, &cp, None, Default::default())
+    let id = Uuid::new_v4();
+    let slot = app.hold_slots(caller.name(), vec![id]).await?;
+    let s = from_snapshot(&app, &caller, &cp, None, Default::default(), (id, slot))
         .await
         .map_err(|e| match e.code {
             Code::SnapshotNotFound => ApiError::new(Code::CheckpointNotFound, e.message),
@@ -643,14 +650,16 @@ pub async fn delete_checkpoint(
     }))
 }
 
-/// A new sandbox from `snap`, in its image and shape, with `metadata` and
-/// (when given) `env` instead of the snapshot's.
+/// A new sandbox `id` from `snap`, in its image and shape, with `metadata`
+/// and (when given) `env` instead of the snapshot's; `slot` is its slot,
+/// held by the caller before it did anything else.
 pub async fn from_snapshot(
     app: &Arc<App>,
     caller: &Caller,
     snap: &SnapshotRow,
     env: Option<std::collections::BTreeMap<String, String>>,
     opts: FromSnapshot,
+    (id, slot): (Uuid, SlotHold),
 ) -> Result<Sandbox, ApiError> {
     let s = Sandbox {
         disable_internet: opts.disable_internet,
@@ -660,7 +669,7 @@ pub async fn from_snapshot(
         snapshot_id: Some(snap.id),
         lineage_snapshot_id: Some(snap.id),
         ..Sandbox::starting(
-            Uuid::new_v4(),
+            id,
             caller.name(),
             &snap.image,
             snap.cpus,
@@ -668,7 +677,6 @@ pub async fn from_snapshot(
             now_ms(),
         )
     };
-    let slot = app.hold_slots(caller.name(), vec![s.id]).await?;
     // Recorded only while the snapshot still is, in one write: from then on
     // the sandbox keeps it (and the registry its slot).
     let row = s.clone();

@@ -295,7 +295,11 @@ struct Info {
     host_mode: HostModeView,
     /// The images a sandbox can be made from.
     images: Vec<super::registry::Image>,
-    data_dir: String,
+    /// Where the registry and sandboxes live (shown to an operator tenant
+    /// only, with `--tenants`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    data_dir: Option<String>,
     exec_limits: ExecLimitsView,
     /// The caller's tenant and its quota.
     tenant: TenantView,
@@ -315,6 +319,8 @@ struct TenantView {
     /// Execs it may have in flight at once (none: no limit).
     #[schema(required = true)]
     max_execs: Option<u32>,
+    /// Its execs in flight now.
+    execs_in_flight: u32,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -365,13 +371,17 @@ async fn info(
             note: app.host.lab.then_some(super::lab::EMULATED_NOTE),
         },
         images: app.images.clone(),
-        data_dir: app.data_dir.display().to_string(),
-        exec_limits: limits.view(),
+        data_dir: caller
+            .0
+            .operator
+            .then(|| app.data_dir.display().to_string()),
+        exec_limits: limits.view(caller.0.operator),
         tenant: TenantView {
             name: caller.name().to_owned(),
             slots: policy.slots,
             slots_in_use: in_use.len() as u32,
             max_execs: policy.max_execs,
+            execs_in_flight: limits.tenant_in_flight(caller.name()),
         },
     }))
 }
@@ -624,13 +634,15 @@ async fn schedule(
         if snap.image != TEST_GUEST_IMAGE && !app.host.linux_guests {
             return Err(host_unsupported(&app));
         }
+        let id = Uuid::new_v4();
+        let slot = app.hold_slots(caller.name(), vec![id]).await?;
         let t = std::time::Instant::now();
         let opts = super::rest::FromSnapshot {
             disable_internet: req.disable_internet.unwrap_or(false),
             idle_timeout_secs: idle,
             metadata,
         };
-        let s = super::rest::from_snapshot(&app, &caller, &snap, req.env, opts).await?;
+        let s = super::rest::from_snapshot(&app, &caller, &snap, req.env, opts, (id, slot)).await?;
         app.metrics.create.observe(t.elapsed());
         return Ok((StatusCode::CREATED, Json(s.into())));
     }
@@ -665,6 +677,10 @@ async fn schedule(
         return Err(host_unsupported(&app));
     }
     let disable_internet = req.disable_internet.unwrap_or(false);
+    // A slot first: with none free, nothing is booted (not even a
+    // template's build).
+    let id = Uuid::new_v4();
+    let slot = app.hold_slots(caller.name(), vec![id]).await?;
     if app.templates {
         let t = std::time::Instant::now();
         match app.template_for(&img, cpus, memory_mb).await? {
@@ -677,7 +693,9 @@ async fn schedule(
                     idle_timeout_secs: idle,
                     metadata,
                 };
-                let s = super::rest::from_snapshot(&app, &caller, &snap, Some(env), opts).await;
+                let s =
+                    super::rest::from_snapshot(&app, &caller, &snap, Some(env), opts, (id, slot))
+                        .await;
                 app.metrics.create.observe(t.elapsed());
                 return match s {
                     Ok(s) => Ok((StatusCode::CREATED, Json(s.into()))),
@@ -697,16 +715,8 @@ async fn schedule(
         idle_timeout_secs: idle,
         env,
         metadata,
-        ..Sandbox::starting(
-            Uuid::new_v4(),
-            caller.name(),
-            &image,
-            cpus,
-            memory_mb,
-            now_ms(),
-        )
+        ..Sandbox::starting(id, caller.name(), &image, cpus, memory_mb, now_ms())
     };
-    let slot = app.hold_slots(caller.name(), vec![s.id]).await?;
     let row = s.clone();
     app.db(move |r| r.insert_sandbox(&row)).await?;
     // Recorded `starting`: the registry holds its slot from here.

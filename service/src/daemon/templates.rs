@@ -26,7 +26,7 @@ use super::{now_ms, App};
 
 /// What a create finds for its (image, shape).
 pub enum Lookup {
-    Ready(SnapshotRow),
+    Ready(Box<SnapshotRow>),
     /// Being built; retry after this many seconds.
     Building(u64),
 }
@@ -94,7 +94,7 @@ impl App {
             })
             .await?;
         match start {
-            Ok(Some(s)) => Ok(Lookup::Ready(s)),
+            Ok(Some(s)) => Ok(Lookup::Ready(Box::new(s))),
             Ok(None) => unreachable!("a ready template without a snapshot is rebuilt"),
             Err(estimate) => {
                 // Only the call that recorded the build starts it.
@@ -234,6 +234,7 @@ impl App {
                 env: Default::default(),
                 size_bytes: w.size_bytes,
                 created_ms: now_ms(),
+                uploaded_ms: None,
             };
             // The snapshot and the ready template in one write: garbage
             // collection never sees the one without the other.

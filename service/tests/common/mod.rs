@@ -25,6 +25,11 @@ impl Daemon {
     }
 
     pub fn start_with(data_dir: &Path, extra: &[&str]) -> Daemon {
+        Self::start_env(data_dir, extra, &[])
+    }
+
+    /// With `envs` set in its environment too.
+    pub fn start_env(data_dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Daemon {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -34,6 +39,7 @@ impl Daemon {
             .args(["--no-lab", "--listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir)
             .args(extra)
+            .envs(envs.iter().copied())
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()

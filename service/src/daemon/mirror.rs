@@ -1,0 +1,491 @@
+//! The snapshot store's mirror: an S3-compatible object store that every
+//! user snapshot and checkpoint (and each snapshot its chain builds on) is
+//! copied to once it is durable on local disk (docs/api.md, "The snapshot
+//! store").
+//!
+//! A snapshot is uploaded as the objects `<tenant>/<vm>/<snapshot>/<file>`
+//! (each file of its directory but the local seal), then
+//! `<tenant>/<vm>/<snapshot>/complete.json`, which lists them: a snapshot
+//! is in the store when that object is. The registry records the upload
+//! (`uploaded_ms`), and the API calls such a snapshot `durable`. An upload
+//! that fails is logged and retried with backoff; it never fails the
+//! snapshot. A restore whose snapshot's local copy is gone downloads it
+//! (its ancestors first), verifies it whole, and only then uses it.
+//! Snapshots are deleted from the store when their local files are.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use object_store::path::Path as Key;
+use object_store::{ObjectStore, ObjectStoreExt as _, PutPayload, WriteMultipart};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::error::chain;
+use super::registry::{SnapshotKind, SnapshotRow};
+use super::{now_ms, App};
+
+/// Bytes read and sent at a time (and the multipart part size).
+const CHUNK: usize = 8 << 20;
+/// The object that completes a snapshot's upload.
+const COMPLETE: &str = "complete.json";
+/// Longest wait between two upload attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Most files a snapshot in the store may list (a download trusts nothing
+/// it reads).
+const MAX_FILES: usize = 64;
+
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct StoreArgs {
+    /// The S3-compatible object store to mirror snapshots to: its endpoint
+    /// URL (e.g. http://127.0.0.1:9000). Credentials come from
+    /// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY.
+    #[arg(long, requires = "s3_bucket", value_name = "URL")]
+    pub s3_endpoint: Option<String>,
+    /// The bucket (it must exist).
+    #[arg(long, requires = "s3_endpoint")]
+    pub s3_bucket: Option<String>,
+    /// The region the store is asked for.
+    #[arg(long, default_value = "us-east-1")]
+    pub s3_region: String,
+    /// User snapshots kept per sandbox: older ones are deleted after each
+    /// snapshot, unless a checkpoint, a template or a sandbox builds on
+    /// them (0: no limit).
+    #[arg(long, default_value_t = 3)]
+    pub keep_snapshots: u32,
+    /// User snapshots older than this many days are deleted after each
+    /// snapshot, on the same terms (0: no limit).
+    #[arg(long, default_value_t = 7)]
+    pub keep_days: u32,
+}
+
+/// What `complete.json` says.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Complete {
+    snapshot: Uuid,
+    files: Vec<Entry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Entry {
+    name: String,
+    size: u64,
+}
+
+/// The mirror, when one is configured.
+pub struct Mirror {
+    store: Arc<dyn ObjectStore>,
+    /// Where it is, for logs.
+    pub url: String,
+    wake: tokio::sync::Notify,
+}
+
+impl Mirror {
+    /// The mirror `args` configure (none without `--s3-endpoint`).
+    pub fn new(args: &StoreArgs) -> Result<Option<Mirror>, String> {
+        let (Some(endpoint), Some(bucket)) = (&args.s3_endpoint, &args.s3_bucket) else {
+            return Ok(None);
+        };
+        let id = std::env::var("AWS_ACCESS_KEY_ID").unwrap_or_default();
+        let secret = std::env::var("AWS_SECRET_ACCESS_KEY").unwrap_or_default();
+        if id.is_empty() || secret.is_empty() {
+            return Err(
+                "--s3-endpoint needs credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+                    .into(),
+            );
+        }
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(endpoint)
+            .with_bucket_name(bucket)
+            .with_region(&args.s3_region)
+            .with_access_key_id(id)
+            .with_secret_access_key(secret)
+            .with_allow_http(endpoint.starts_with("http://"))
+            .with_virtual_hosted_style_request(false)
+            // A store that is down is retried by the uploader, at its pace.
+            .with_retry(object_store::RetryConfig {
+                max_retries: 2,
+                retry_timeout: Duration::from_secs(20),
+                ..Default::default()
+            })
+            .build()
+            .map_err(|e| format!("Bad object store settings: {}", chain(&e)))?;
+        Ok(Some(Mirror {
+            store: Arc::new(store),
+            url: format!("{endpoint}/{bucket}"),
+            wake: tokio::sync::Notify::new(),
+        }))
+    }
+
+    /// The key prefix of `row`'s objects.
+    fn prefix(row: &SnapshotRow) -> String {
+        let tenant = if row.tenant.is_empty() {
+            "_sproutd"
+        } else {
+            &row.tenant
+        };
+        let vm = row.vm_id.map_or_else(|| "_".to_owned(), |v| v.to_string());
+        format!("{tenant}/{vm}/{}", row.id)
+    }
+
+    /// Uploads the snapshot in `row.dir`; its bytes.
+    async fn upload(&self, row: &SnapshotRow) -> Result<u64, String> {
+        let prefix = Self::prefix(row);
+        let mut files = Vec::new();
+        let rd = std::fs::read_dir(&row.dir)
+            .map_err(|e| format!("Cannot read {}: {e}", row.dir.display()))?;
+        for e in rd {
+            let e = e.map_err(|e| format!("Cannot read {}: {e}", row.dir.display()))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            let meta = e.metadata().map_err(|e| format!("{name}: {e}"))?;
+            if name == snapshot::format::seal::SEAL_FILE || !meta.is_file() {
+                continue;
+            }
+            files.push(Entry {
+                name,
+                size: meta.len(),
+            });
+        }
+        files.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut total = 0;
+        for f in &files {
+            let key = Key::from(format!("{prefix}/{}", f.name));
+            total += self.put_file(&row.dir.join(&f.name), &key).await?;
+        }
+        let complete = Complete {
+            snapshot: row.id,
+            files,
+        };
+        let body = serde_json::to_vec(&complete).map_err(|e| e.to_string())?;
+        self.store
+            .put(&Key::from(format!("{prefix}/{COMPLETE}")), body.into())
+            .await
+            .map_err(|e| format!("Cannot upload {prefix}/{COMPLETE}: {}", chain(&e)))?;
+        Ok(total)
+    }
+
+    /// Sends one file (in parts when large); its bytes.
+    async fn put_file(&self, path: &Path, key: &Key) -> Result<u64, String> {
+        use tokio::io::AsyncReadExt as _;
+        let err = |e: &dyn std::error::Error| format!("Cannot upload {key}: {}", chain(e));
+        let mut f = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| format!("Cannot read {}: {e}", path.display()))?;
+        let len = f.metadata().await.map(|m| m.len()).unwrap_or(0);
+        if len <= CHUNK as u64 {
+            let mut buf = Vec::with_capacity(len as usize);
+            f.read_to_end(&mut buf)
+                .await
+                .map_err(|e| format!("Cannot read {}: {e}", path.display()))?;
+            let n = buf.len() as u64;
+            self.store
+                .put(key, PutPayload::from(buf))
+                .await
+                .map_err(|e| err(&e))?;
+            return Ok(n);
+        }
+        let up = self.store.put_multipart(key).await.map_err(|e| err(&e))?;
+        let mut w = WriteMultipart::new_with_chunk_size(up, CHUNK);
+        let mut total = 0u64;
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = match f.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = w.abort().await;
+                    return Err(format!("Cannot read {}: {e}", path.display()));
+                }
+            };
+            if let Err(e) = w.wait_for_capacity(4).await {
+                let _ = w.abort().await;
+                return Err(err(&e));
+            }
+            w.write(&buf[..n]);
+            total += n as u64;
+        }
+        w.finish().await.map_err(|e| err(&e))?;
+        Ok(total)
+    }
+
+    /// Downloads `row`'s snapshot into its directory (which must not
+    /// exist), through a temporary one renamed into place.
+    async fn download(&self, row: &SnapshotRow) -> Result<u64, String> {
+        use tokio::io::AsyncWriteExt as _;
+        let prefix = Self::prefix(row);
+        let bytes = self
+            .store
+            .get(&Key::from(format!("{prefix}/{COMPLETE}")))
+            .await
+            .map_err(|e| format!("{prefix} is not in the object store: {}", chain(&e)))?
+            .bytes()
+            .await
+            .map_err(|e| format!("Cannot read {prefix}/{COMPLETE}: {}", chain(&e)))?;
+        let complete: Complete = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{prefix}/{COMPLETE} is not valid: {e}"))?;
+        if complete.snapshot != row.id || complete.files.len() > MAX_FILES {
+            return Err(format!("{prefix}/{COMPLETE} is not this snapshot's"));
+        }
+        let parent = row
+            .dir
+            .parent()
+            .ok_or_else(|| format!("{} has no parent", row.dir.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| format!("Cannot create {}: {e}", parent.display()))?;
+        let tmp = parent.join(".download");
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir(&tmp).map_err(|e| format!("Cannot create {}: {e}", tmp.display()))?;
+        let mut total = 0u64;
+        for f in &complete.files {
+            let plain = !f.name.is_empty()
+                && !f.name.starts_with('.')
+                && !f.name.contains('/')
+                && f.name != COMPLETE;
+            if !plain {
+                return Err(format!("{prefix}/{COMPLETE} names a bad file {:?}", f.name));
+            }
+            let key = Key::from(format!("{prefix}/{}", f.name));
+            let path = tmp.join(&f.name);
+            let mut out = tokio::fs::File::create(&path)
+                .await
+                .map_err(|e| format!("Cannot create {}: {e}", path.display()))?;
+            let mut s = self
+                .store
+                .get(&key)
+                .await
+                .map_err(|e| format!("Cannot download {key}: {}", chain(&e)))?
+                .into_stream();
+            let mut got = 0u64;
+            while let Some(chunk) = s.next().await {
+                let chunk = chunk.map_err(|e| format!("Cannot download {key}: {}", chain(&e)))?;
+                got += chunk.len() as u64;
+                if got > f.size {
+                    return Err(format!("{key} is longer than its {} bytes", f.size));
+                }
+                out.write_all(&chunk)
+                    .await
+                    .map_err(|e| format!("Cannot write {}: {e}", path.display()))?;
+            }
+            if got != f.size {
+                return Err(format!("{key} is {got} bytes, not {}", f.size));
+            }
+            out.sync_all()
+                .await
+                .map_err(|e| format!("Cannot write {}: {e}", path.display()))?;
+            total += got;
+        }
+        std::fs::rename(&tmp, &row.dir)
+            .map_err(|e| format!("Cannot move the download into {}: {e}", row.dir.display()))?;
+        Ok(total)
+    }
+
+    /// Deletes `row`'s objects (best effort: what is left is logged).
+    async fn remove(&self, row: &SnapshotRow) {
+        let prefix = Key::from(Self::prefix(row));
+        // The completion first: what is left is no snapshot.
+        let done = Key::from(format!("{prefix}/{COMPLETE}"));
+        if let Err(e) = self.store.delete(&done).await {
+            tracing::warn!(snapshot = %row.id, "cannot delete it from the object store: {}", chain(&e));
+            return;
+        }
+        let mut list = self.store.list(Some(&prefix));
+        while let Some(o) = list.next().await {
+            match o {
+                Ok(o) => {
+                    if let Err(e) = self.store.delete(&o.location).await {
+                        tracing::warn!(
+                            "cannot delete {} from the object store: {}",
+                            o.location,
+                            chain(&e)
+                        );
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(snapshot = %row.id, "cannot list it in the object store: {}", chain(&e));
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl App {
+    /// Starts the uploader (with a mirror): it uploads every user snapshot
+    /// and checkpoint not yet in the store, each after the snapshots its
+    /// chain builds on, whenever one is taken and at least once a minute,
+    /// retrying a failure with backoff.
+    pub fn start_uploader(self: &Arc<Self>) {
+        if self.mirror.is_none() {
+            return;
+        }
+        let app = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_secs(1);
+            loop {
+                let Some(m) = app.mirror.as_ref() else { return };
+                match app.upload_pending(m).await {
+                    Ok(()) => {
+                        backoff = Duration::from_secs(1);
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(60), m.wake.notified()).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "uploading snapshots to {}: {e}; retrying in {} s",
+                            m.url,
+                            backoff.as_secs()
+                        );
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                    }
+                }
+            }
+        });
+    }
+
+    /// Tells the uploader that a snapshot was taken.
+    pub fn snapshot_taken(&self) {
+        if let Some(m) = &self.mirror {
+            m.wake.notify_one();
+        }
+    }
+
+    async fn upload_pending(self: &Arc<Self>, m: &Mirror) -> Result<(), String> {
+        let all = self
+            .db(|r| r.list_snapshots())
+            .await
+            .map_err(|e| e.message)?;
+        let by_id: std::collections::HashMap<Uuid, &SnapshotRow> =
+            all.iter().map(|s| (s.id, s)).collect();
+        for s in all
+            .iter()
+            .filter(|s| matches!(s.kind, SnapshotKind::User | SnapshotKind::Checkpoint))
+            .filter(|s| s.uploaded_ms.is_none())
+        {
+            // Its chain, base first: what it builds on goes up before it.
+            let mut chain: Vec<&SnapshotRow> = vec![s];
+            while let Some(p) = chain.last().and_then(|c| c.parent_id) {
+                match by_id.get(&p) {
+                    Some(p) if chain.len() <= vmm::MAX_CHAIN_DEPTH + 1 => chain.push(*p),
+                    _ => break,
+                }
+            }
+            for row in chain.into_iter().rev().filter(|r| r.uploaded_ms.is_none()) {
+                let t = std::time::Instant::now();
+                // Taken again now: a delete may have removed it meanwhile.
+                let id = row.id;
+                let Some(row) = self
+                    .db(move |r| r.get_snapshot(id))
+                    .await
+                    .map_err(|e| e.message)?
+                else {
+                    continue;
+                };
+                let bytes = m.upload(&row).await?;
+                self.db(move |r| r.set_uploaded(id, now_ms()))
+                    .await
+                    .map_err(|e| e.message)?;
+                tracing::info!(
+                    snapshot = %id, bytes,
+                    "uploaded to the object store in {} ms", t.elapsed().as_millis()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every snapshot of `snap`'s chain local: one whose directory
+    /// is gone is downloaded from the mirror and verified whole (and
+    /// sealed) before it is used.
+    pub async fn ensure_local(self: &Arc<Self>, snap: Uuid) -> Result<(), String> {
+        let rows = self
+            .db(move |r| {
+                let mut out = Vec::new();
+                let mut next = Some(snap);
+                while let Some(id) = next {
+                    let Some(s) = r.get_snapshot(id)? else { break };
+                    next = s.parent_id;
+                    out.push(s);
+                    if out.len() > vmm::MAX_CHAIN_DEPTH + 1 {
+                        break;
+                    }
+                }
+                out.reverse();
+                Ok(out)
+            })
+            .await
+            .map_err(|e| e.message)?;
+        for row in rows {
+            if row
+                .dir
+                .join(snapshot::format::MANIFEST_FILE)
+                .symlink_metadata()
+                .is_ok()
+            {
+                continue;
+            }
+            let (Some(m), Some(_)) = (&self.mirror, row.uploaded_ms) else {
+                return Err(format!(
+                    "Snapshot {}'s files are gone from {} and it is not in an object store",
+                    row.id,
+                    row.dir.display()
+                ));
+            };
+            let t = std::time::Instant::now();
+            let bytes = m.download(&row).await.inspect_err(|_| {
+                if let Some(p) = row.dir.parent() {
+                    let _ = std::fs::remove_dir_all(p.join(".download"));
+                }
+            })?;
+            let dir = row.dir.clone();
+            let verified = tokio::task::spawn_blocking(move || {
+                let s = snapshot::format::Snapshot::load(&dir).map_err(|e| chain(&e))?;
+                if let Err(e) = snapshot::format::seal::seal(&s) {
+                    tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));
+                }
+                Ok::<_, String>(())
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+            if let Err(e) = verified {
+                let _ = std::fs::remove_dir_all(&row.dir);
+                return Err(format!(
+                    "Snapshot {} from the object store does not verify: {e}",
+                    row.id
+                ));
+            }
+            tracing::info!(
+                snapshot = %row.id, bytes,
+                "downloaded from the object store and verified in {} ms",
+                t.elapsed().as_millis()
+            );
+        }
+        Ok(())
+    }
+
+    /// Deletes from the mirror the snapshots whose local files went.
+    pub fn forget_uploaded(self: &Arc<Self>, gone: Vec<SnapshotRow>) {
+        if self.mirror.is_none() {
+            return;
+        }
+        let gone: Vec<SnapshotRow> = gone
+            .into_iter()
+            .filter(|s| s.uploaded_ms.is_some())
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        let app = self.clone();
+        tokio::spawn(async move {
+            if let Some(m) = &app.mirror {
+                for s in &gone {
+                    m.remove(s).await;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,302 @@
+//! The snapshot store through the API: a real `sproutd` whose snapshots
+//! are mirrored to a real S3-compatible server process on loopback
+//! (moto's, installed by tests/s3/install.sh), with sandboxes of Sprout's
+//! test guest; and retention (docs/api.md, "The snapshot store").
+
+mod common;
+use common::*;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+
+const BUCKET: &str = "sprout-snapshots";
+const CREDS: [(&str, &str); 2] = [
+    ("AWS_ACCESS_KEY_ID", "sprout-test"),
+    ("AWS_SECRET_ACCESS_KEY", "sprout-test-secret"),
+];
+
+fn moto() -> PathBuf {
+    if let Some(p) = std::env::var_os("SPROUT_MOTO") {
+        return p.into();
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/s3/install.sh");
+    let out = Command::new(script)
+        .output()
+        .expect("run tests/s3/install.sh");
+    assert!(
+        out.status.success(),
+        "tests/s3/install.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+/// moto's S3 server on loopback (port 0: any), its bucket made.
+struct S3 {
+    child: Child,
+    port: u16,
+}
+
+impl S3 {
+    async fn start(port: u16) -> S3 {
+        let mut child = Command::new(moto())
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start moto_server");
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut port = 0;
+        let mut seen = String::new();
+        while port == 0 {
+            let mut line = String::new();
+            assert!(err.read_line(&mut line).unwrap() > 0, "moto said: {seen}");
+            seen.push_str(&line);
+            if let Some(rest) = line.split("Running on http://127.0.0.1:").nth(1) {
+                port = rest.trim().trim_end_matches('/').parse().unwrap();
+            }
+        }
+        // Its requests' log: read on, so that a full pipe never stops it.
+        std::thread::spawn(move || for _ in err.lines() {});
+        let s = S3 { child, port };
+        let r = Client::new().put(s.url(BUCKET)).send().await.unwrap();
+        assert!(r.status().is_success(), "make the bucket: {}", r.status());
+        s
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}/{path}", self.port)
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The keys under `prefix`.
+    async fn keys(&self, prefix: &str) -> Vec<String> {
+        let xml = Client::new()
+            .get(self.url(&format!("{BUCKET}?list-type=2&prefix={prefix}")))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        xml.split("<Key>")
+            .skip(1)
+            .filter_map(|k| k.split("</Key>").next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    fn stop(mut self) -> u16 {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.port
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn get(c: &Client, d: &Daemon, path: &str) -> Value {
+    let r = c.get(d.url(path)).send().await.unwrap();
+    let st = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert!(st.is_success(), "GET {path}: {st} {v}");
+    v
+}
+
+async fn snapshot(c: &Client, d: &Daemon, vm: &str) -> String {
+    let r = post(c, d, &format!("/v1/runtime/vms/{vm}/snapshot"), json!({})).await;
+    let st = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(st, 201, "{v}\n{}", Daemon::log(&d.data_dir));
+    v["snapshotId"].as_str().unwrap().to_owned()
+}
+
+/// Waits until snapshot `id` is `durable`.
+async fn durable(c: &Client, d: &Daemon, id: &str) {
+    let t = Instant::now();
+    loop {
+        let v = get(c, d, &format!("/v1/runtime/snapshots/{id}")).await;
+        if v["durable"] == true {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "{id} never became durable: {v}\n{}",
+            Daemon::log(&d.data_dir)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn uds(d: &Daemon, id: &str) -> PathBuf {
+    d.data_dir.join("vms").join(id).join("vm/vsock.sock")
+}
+
+/// Uploads after durable; a store that is down fails no snapshot, which
+/// goes up once it is back; a snapshot whose local copy is gone is
+/// restored from the store after verification, and a corrupted one is
+/// refused.
+#[tokio::test]
+async fn snapshots_go_to_the_object_store_and_come_back_from_it() {
+    let (_t, dir) = data_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let s3 = S3::start(0).await;
+    let ep = s3.endpoint();
+    let d = Daemon::start_env(&dir, &["--s3-endpoint", &ep, "--s3-bucket", BUCKET], &CREDS);
+    let c = Client::new();
+    let (vm, _) = schedule_testguest(&c, &d).await;
+
+    // A snapshot: durable once its objects are in the store, each file
+    // and the completion last.
+    let a = snapshot(&c, &d, &vm).await;
+    durable(&c, &d, &a).await;
+    let keys = s3.keys(&format!("default/{vm}/{a}/")).await;
+    for f in ["manifest.json", "state.bin", "complete.json"] {
+        assert!(
+            keys.contains(&format!("default/{vm}/{a}/{f}")),
+            "{f} not in {keys:?}"
+        );
+    }
+    assert!(
+        !keys.iter().any(|k| k.ends_with(".sealed")),
+        "the local seal is not uploaded: {keys:?}"
+    );
+
+    // Its local copy deleted: a schedule from it downloads, verifies and
+    // runs it.
+    let local = dir.join("snapshots").join(&a);
+    std::fs::remove_dir_all(&local).unwrap();
+    let v = schedule(&c, &d, json!({"snapshot": a})).await;
+    let child = v["vmId"].as_str().unwrap().to_owned();
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(vsock_echo(&uds(&d, &child), b"back"), b"back");
+    assert!(local.join("s/manifest.json").is_file());
+    assert!(
+        Daemon::log(&dir).contains("downloaded from the object store and verified"),
+        "{}",
+        Daemon::log(&dir)
+    );
+
+    // Gone again, and its memory corrupted in the store (same size): it
+    // does not verify, so no sandbox is made of it, and nothing is left.
+    std::fs::remove_dir_all(&local).unwrap();
+    let mem_key = keys
+        .iter()
+        .find(|k| {
+            let n = k.rsplit('/').next().unwrap();
+            n != "manifest.json" && n != "state.bin" && n != "complete.json"
+        })
+        .unwrap()
+        .clone();
+    let body = Client::new()
+        .get(s3.url(&format!("{BUCKET}/{mem_key}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let mut bad = body.to_vec();
+    let mid = bad.len() / 2;
+    bad[mid] ^= 0x5a;
+    let r = Client::new()
+        .put(s3.url(&format!("{BUCKET}/{mem_key}")))
+        .body(bad)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    let r = post(&c, &d, "/v1/runtime/schedule", json!({"snapshot": a})).await;
+    let m = assert_error(r, StatusCode::BAD_GATEWAY, "snapshot_failed").await;
+    assert!(m.contains("does not verify"), "{m}");
+    assert!(!local.join("s").exists(), "a bad download was kept");
+
+    // The store down: a snapshot still succeeds, not durable; once the
+    // store is back it goes up.
+    let port = s3.stop();
+    let b = snapshot(&c, &d, &vm).await;
+    let v = get(&c, &d, &format!("/v1/runtime/snapshots/{b}")).await;
+    assert_eq!(v["durable"], false, "{v}");
+    let t = Instant::now();
+    while !Daemon::log(&dir).contains("uploading snapshots to") {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "no failed upload logged"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let s3 = S3::start(port).await;
+    durable(&c, &d, &b).await;
+    let keys = s3.keys(&format!("default/{vm}/{b}/")).await;
+    assert!(
+        keys.contains(&format!("default/{vm}/{b}/complete.json")),
+        "{keys:?}"
+    );
+}
+
+fn user_snapshots(list: &Value) -> Vec<String> {
+    list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["kind"] == "user")
+        .map(|s| s["snapshotId"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Retention keeps the newest 3 user snapshots of a sandbox, and never
+/// one that a checkpoint builds on.
+#[tokio::test]
+async fn retention_keeps_three_and_what_a_checkpoint_builds_on() {
+    let (_t, dir) = data_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let (vm, _) = schedule_testguest(&c, &d).await;
+    let s1 = snapshot(&c, &d, &vm).await;
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{vm}/checkpoints"),
+        json!({"name": "on s1"}),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let mut later = Vec::new();
+    for _ in 0..4 {
+        later.push(snapshot(&c, &d, &vm).await);
+    }
+    let kept = user_snapshots(&get(&c, &d, "/v1/runtime/snapshots").await);
+    // s1: under the checkpoint; then the newest three.
+    let want = vec![
+        s1.clone(),
+        later[1].clone(),
+        later[2].clone(),
+        later[3].clone(),
+    ];
+    assert_eq!(kept, want);
+    let r = c
+        .get(d.url(&format!("/v1/runtime/snapshots/{}", later[0])))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "snapshot_not_found").await;
+    // What is kept still restores (the deleted one's files stay while a
+    // later snapshot builds on them).
+    let v = schedule(&c, &d, json!({"snapshot": later[1]})).await;
+    let kid = v["vmId"].as_str().unwrap().to_owned();
+    assert_eq!(vsock_echo(&uds(&d, &kid), b"kept"), b"kept");
+}
