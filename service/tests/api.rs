@@ -825,7 +825,7 @@ async fn openapi_json_is_the_committed_document_and_every_documented_operation_i
             }
         }
     }
-    assert_eq!(probed, 37);
+    assert_eq!(probed, 39);
     // And a route nobody documents is the router's 404.
     let r = c.get(d.url("/v1/runtime/nothing")).send().await.unwrap();
     assert_error(r, StatusCode::NOT_FOUND, "not_found").await;

@@ -223,7 +223,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         let (c, url) = (c.clone(), h.url(&format!("/v1/runtime/vms/{second}/exec")));
         tokio::spawn(async move {
             c.post(url)
-                .json(&json!({"command": "sleep", "argv": ["600"], "timeoutMs": 90000}))
+                .json(&json!({"command": "sleep", "argv": ["600"], "timeoutMs": 30000}))
                 .send()
                 .await
         })

@@ -294,9 +294,102 @@ async fn retention_keeps_three_and_what_a_checkpoint_builds_on() {
         .await
         .unwrap();
     assert_error(r, StatusCode::NOT_FOUND, "snapshot_not_found").await;
+    // Without an object store there is no archive.
+    let r = post(&c, &d, &format!("/v1/runtime/vms/{vm}/archive"), json!({})).await;
+    let m = assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    assert!(m.contains("--s3-endpoint"), "{m}");
     // What is kept still restores (the deleted one's files stay while a
     // later snapshot builds on them).
     let v = schedule(&c, &d, json!({"snapshot": later[1]})).await;
     let kid = v["vmId"].as_str().unwrap().to_owned();
     assert_eq!(vsock_echo(&uds(&d, &kid), b"kept"), b"kept");
+}
+
+/// Survives node loss: archived on node A (its own data directory), A's
+/// whole data directory deleted, unarchived on node B, which shares only
+/// the object store: the same sandbox, its VM running on from the memory
+/// it was archived with.
+#[tokio::test]
+async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
+    let t = tempfile::tempdir().unwrap();
+    let (dir_a, dir_b) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&dir_a).unwrap();
+    std::fs::create_dir_all(&dir_b).unwrap();
+    let s3 = S3::start(0).await;
+    let ep = s3.endpoint();
+    let args = ["--s3-endpoint", ep.as_str(), "--s3-bucket", BUCKET];
+    let c = Client::new();
+
+    let a = Daemon::start_env(&dir_a, &args, &CREDS);
+    let (vm, _) = schedule_testguest(&c, &a).await;
+    assert_eq!(vsock_echo(&uds(&a, &vm), b"on a"), b"on a");
+    // A snapshot first: the archive's chain is a diff on it.
+    let s1 = snapshot(&c, &a, &vm).await;
+    let r = post(&c, &a, &format!("/v1/runtime/vms/{vm}/archive"), json!({})).await;
+    let st = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(st, 200, "{v}\n{}", Daemon::log(&dir_a));
+    assert_eq!(v["state"], "archived", "{v}");
+    assert_eq!(v["workerPid"], Value::Null, "{v}");
+    let keys = s3.keys(&format!("default/{vm}/")).await;
+    assert!(
+        keys.contains(&format!("default/{vm}/archive.json")),
+        "{keys:?}"
+    );
+    assert!(
+        !dir_a.join("vms").join(&vm).exists(),
+        "the sandbox's local files were freed"
+    );
+    // An archived sandbox runs nothing until it is unarchived.
+    let r = post(&c, &a, &format!("/v1/runtime/vms/{vm}/pause"), json!({})).await;
+    assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
+    a.stop();
+    std::fs::remove_dir_all(&dir_a).unwrap();
+
+    let b = Daemon::start_env(&dir_b, &args, &CREDS);
+    let r = c
+        .get(b.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+    let r = post(
+        &c,
+        &b,
+        &format!("/v1/runtime/vms/{vm}/unarchive"),
+        json!({}),
+    )
+    .await;
+    let st = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(st, 200, "{v}\n{}", Daemon::log(&dir_b));
+    assert_eq!(v["state"], "running", "{v}");
+    assert_eq!(v["vmId"], vm.as_str());
+    assert_eq!(vsock_echo(&uds(&b, &vm), b"on b"), b"on b");
+    // Once: its record is gone from the store, and it runs here.
+    assert!(!s3
+        .keys(&format!("default/{vm}/"))
+        .await
+        .contains(&format!("default/{vm}/archive.json")));
+    let r = post(
+        &c,
+        &b,
+        &format!("/v1/runtime/vms/{vm}/unarchive"),
+        json!({}),
+    )
+    .await;
+    assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
+    // It snapshots on, as a diff on the chain it came back from.
+    let s2 = snapshot(&c, &b, &vm).await;
+    assert_ne!(s1, s2);
+    durable(&c, &b, &s2).await;
+    // An unknown id is still unknown.
+    let r = post(
+        &c,
+        &b,
+        &format!("/v1/runtime/vms/{}/unarchive", uuid::Uuid::new_v4()),
+        json!({}),
+    )
+    .await;
+    assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
 }

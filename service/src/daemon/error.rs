@@ -54,6 +54,9 @@ pub enum Code {
     /// A snapshot could not be written, or a sandbox's VM could not be
     /// restored from one.
     SnapshotFailed,
+    /// The object store (`--s3-endpoint`) failed or refused a request an
+    /// archive or unarchive needed.
+    StoreFailed,
     /// The template of the create's (image, shape) is being built: retry
     /// after `Retry-After` seconds.
     TemplateBuilding,
@@ -130,13 +133,14 @@ impl Code {
             Self::BootFailed
             | Self::AgentUnavailable
             | Self::WorkerFailed
-            | Self::SnapshotFailed => StatusCode::BAD_GATEWAY,
+            | Self::SnapshotFailed
+            | Self::StoreFailed => StatusCode::BAD_GATEWAY,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 38] = [
+    pub const ALL: [Code; 39] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -173,6 +177,7 @@ impl Code {
         Self::AgentUnavailable,
         Self::WorkerFailed,
         Self::SnapshotFailed,
+        Self::StoreFailed,
         Self::HostUnsupported,
         Self::TemplateBuilding,
     ];
@@ -213,6 +218,7 @@ impl Code {
             Self::CheckpointNotFound => "No checkpoint has this id",
             Self::TooManyCheckpoints => "The sandbox has 10 checkpoints: delete one first",
             Self::SnapshotFailed => "A snapshot could not be written, or a VM restored from one (the message says why)",
+            Self::StoreFailed => "The object store failed or refused what an archive or unarchive needed (the message says why)",
             Self::TemplateBuilding => "The create's (image, shape) template is being built (a first create boots it once): retry after `Retry-After` seconds",
             Self::StdinClosed => "The background process's stdin is closed (or was never open)",
             Self::FileConflict => "A path of the wrong kind, one that exists, or a directory not empty",

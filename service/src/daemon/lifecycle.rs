@@ -555,6 +555,136 @@ impl App {
         answer
     }
 
+    /// `POST /vms/{id}/archive`: the sandbox's memory and disk go to the
+    /// object store (a rest snapshot of a running or paused one, the one a
+    /// sleeping or hibernated one has), with a record another node can
+    /// unarchive it from; its worker and local files are freed. Answers
+    /// once all of it is in the store.
+    pub async fn archive(self: &Arc<Self>, id: Uuid) -> Result<Sandbox, ApiError> {
+        let Some(m) = self.mirror.as_ref() else {
+            return Err(ApiError::new(
+                Code::NotSupported,
+                "Archiving needs an object store: run sproutd with --s3-endpoint and --s3-bucket",
+            ));
+        };
+        let (_g, s) = self.locked(id).await?;
+        if !matches!(
+            s.state,
+            State::Running | State::Paused | State::Sleeping | State::Hibernated
+        ) {
+            return Err(invalid(&s, "archive"));
+        }
+        let t = Instant::now();
+        let rest = if s.state.has_worker() {
+            let snap = self.take_snapshot(&s, SnapshotKind::Rest, None).await?;
+            self.db(move |r| {
+                r.set_snapshots(id, Some(snap.id), Some(snap.id))?;
+                r.set_worker_opt(id, None)?;
+                r.set_state(id, State::Hibernated, None)
+            })
+            .await?;
+            self.free_worker(&s).await;
+            snap.id
+        } else {
+            s.rest_snapshot_id
+                .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?
+        };
+        let stored = async {
+            self.upload_chain(m, rest).await?;
+            let chain = self.chain_rows(rest).await?;
+            let s = self.get(id).await.map_err(|e| e.message)?;
+            let rec = super::mirror::ArchiveRecord::of(&s, &chain)
+                .ok_or_else(|| format!("Sandbox {id} has no rest snapshot"))?;
+            m.put_archive(&rec).await
+        };
+        if let Err(e) = stored.await {
+            // Hibernated (its memory and disk kept here): a wake, or
+            // another archive, still works.
+            return Err(ApiError::new(
+                Code::StoreFailed,
+                format!("Sandbox {id} is hibernated, not archived: {e}"),
+            ));
+        }
+        let evict = self
+            .db(move |r| {
+                r.set_state(id, State::Archived, None)?;
+                r.evictable(id)
+            })
+            .await?;
+        let a = self.clone();
+        let freed = tokio::task::spawn_blocking(move || {
+            for e in &evict {
+                a.supervisor.remove_snapshot(&e.dir);
+            }
+            // Its directory (disk, logs) goes too; the store has it all.
+            let dir = a.supervisor.vm_dir(id);
+            let _ = std::fs::remove_dir_all(dir);
+            evict.len()
+        })
+        .await
+        .unwrap_or(0);
+        self.metrics.archive.observe(t.elapsed());
+        tracing::info!(
+            vm = %id, snapshot = %rest, evicted = freed,
+            "archived in {} ms", t.elapsed().as_millis()
+        );
+        self.get(id).await
+    }
+
+    /// `POST /vms/{id}/unarchive`: an archived sandbox of this node, or
+    /// (with `import`, the record another node left in the store) one it
+    /// archived: its chain is downloaded, verified and restored into a new
+    /// worker, same id, files and processes. Its archive record goes once
+    /// it runs, so no second node unarchives it.
+    pub async fn unarchive(
+        self: &Arc<Self>,
+        id: Uuid,
+        import: Option<super::mirror::ArchiveRecord>,
+    ) -> Result<Sandbox, ApiError> {
+        let Some(m) = self.mirror.as_ref() else {
+            return Err(ApiError::new(
+                Code::NotSupported,
+                "Unarchiving needs an object store: run sproutd with --s3-endpoint and --s3-bucket",
+            ));
+        };
+        if let Some(rec) = import {
+            let (row, chain) = rec.rows(self.supervisor.snapshots_dir()).ok_or_else(|| {
+                ApiError::new(
+                    Code::StoreFailed,
+                    format!("The archive record of sandbox {id} does not hold together"),
+                )
+            })?;
+            self.db(move |r| r.import_archived(&row, &chain)).await?;
+            tracing::info!(vm = %id, "imported from the object store's archive record");
+        }
+        let (_g, s) = self.locked(id).await?;
+        if s.state != State::Archived {
+            return Err(invalid(&s, "unarchive"));
+        }
+        let _slot = self.hold_slots(&s.tenant, vec![id]).await?;
+        let rest = s
+            .rest_snapshot_id
+            .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
+        let t = Instant::now();
+        if let Err(e) = self.restore_into(&s, rest, s.hostname.clone()).await {
+            // Still archived: the store keeps it, another try may work.
+            let st = State::Archived;
+            self.db(move |r| r.set_state(id, st, None)).await?;
+            return Err(ApiError::new(
+                e.code,
+                format!("Sandbox {id} stays archived: {}", e.message),
+            ));
+        }
+        self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
+            .await?;
+        if let Err(e) = m.delete_archive(&s.tenant, id).await {
+            tracing::warn!(vm = %id, "{e}");
+        }
+        self.metrics.unarchive.observe(t.elapsed());
+        tracing::info!(vm = %id, "unarchived in {} ms", t.elapsed().as_millis());
+        self.get(id).await
+    }
+
     /// Stops the sandbox's worker, keeping its directory.
     async fn free_worker(self: &Arc<Self>, s: &Sandbox) {
         let child = lock(&self.children).remove(&s.id);

@@ -78,6 +78,10 @@ pub struct Metrics {
     pub restore: Histogram,
     /// Forks, from the request to every child's result.
     pub fork: Histogram,
+    /// Archives, to the record in the object store.
+    pub archive: Histogram,
+    /// Unarchives, to a running sandbox.
+    pub unarchive: Histogram,
     /// (route template, method, status) -> count.
     requests: Mutex<BTreeMap<(String, String, u16), u64>>,
 }
@@ -180,6 +184,16 @@ impl Metrics {
                 &self.fork,
                 "sproutd_fork_seconds",
                 "Time of a fork, request to every child's result.",
+            ),
+            (
+                &self.archive,
+                "sproutd_archive_seconds",
+                "Time to archive a sandbox into the object store.",
+            ),
+            (
+                &self.unarchive,
+                "sproutd_unarchive_seconds",
+                "Time to unarchive a sandbox, to running.",
             ),
         ] {
             h.render(name, help, &mut out);

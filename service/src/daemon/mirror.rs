@@ -13,7 +13,8 @@
 //! (its ancestors first), verifies it whole, and only then uses it.
 //! Snapshots are deleted from the store when their local files are.
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::error::chain;
-use super::registry::{SnapshotKind, SnapshotRow};
+use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State};
 use super::{now_ms, App};
 
 /// Bytes read and sent at a time (and the multipart part size).
@@ -74,6 +75,163 @@ struct Complete {
 struct Entry {
     name: String,
     size: u64,
+}
+
+/// An archived sandbox, as `<tenant>/<vm>/archive.json` holds it: what
+/// another node needs to record it and restore it (its snapshots' objects
+/// are beside their own keys).
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct ArchiveRecord {
+    version: u32,
+    sandbox: SandboxRecord,
+    /// Its rest snapshot's chain, base first.
+    chain: Vec<SnapRecord>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SandboxRecord {
+    id: Uuid,
+    tenant: String,
+    image: String,
+    cpus: u8,
+    memory_mb: u32,
+    disable_internet: bool,
+    idle_timeout_secs: Option<u32>,
+    env: BTreeMap<String, String>,
+    metadata: BTreeMap<String, String>,
+    created_ms: u64,
+    parent_vm_id: Option<Uuid>,
+    snapshot_id: Option<Uuid>,
+    hostname: Option<String>,
+    rest_snapshot_id: Uuid,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct SnapRecord {
+    id: Uuid,
+    tenant: String,
+    vm_id: Option<Uuid>,
+    name: Option<String>,
+    kind: SnapshotKind,
+    parent_id: Option<Uuid>,
+    depth: u32,
+    image: String,
+    cpus: u8,
+    memory_mb: u32,
+    env: BTreeMap<String, String>,
+    size_bytes: u64,
+    created_ms: u64,
+}
+
+const ARCHIVE_VERSION: u32 = 1;
+/// Largest archive record read.
+const MAX_RECORD: usize = 4 << 20;
+
+impl ArchiveRecord {
+    /// The record of archived sandbox `s`, whose rest snapshot's chain is
+    /// `chain` (base first).
+    pub fn of(s: &Sandbox, chain: &[SnapshotRow]) -> Option<ArchiveRecord> {
+        Some(ArchiveRecord {
+            version: ARCHIVE_VERSION,
+            sandbox: SandboxRecord {
+                id: s.id,
+                tenant: s.tenant.clone(),
+                image: s.image.clone(),
+                cpus: s.cpus,
+                memory_mb: s.memory_mb,
+                disable_internet: s.disable_internet,
+                idle_timeout_secs: s.idle_timeout_secs,
+                env: s.env.clone(),
+                metadata: s.metadata.clone(),
+                created_ms: s.created_ms,
+                parent_vm_id: s.parent_vm_id,
+                snapshot_id: s.snapshot_id,
+                hostname: s.hostname.clone(),
+                rest_snapshot_id: s.rest_snapshot_id?,
+            },
+            chain: chain
+                .iter()
+                .map(|c| SnapRecord {
+                    id: c.id,
+                    tenant: c.tenant.clone(),
+                    vm_id: c.vm_id,
+                    name: c.name.clone(),
+                    kind: c.kind,
+                    parent_id: c.parent_id,
+                    depth: c.depth,
+                    image: c.image.clone(),
+                    cpus: c.cpus,
+                    memory_mb: c.memory_mb,
+                    env: c.env.clone(),
+                    size_bytes: c.size_bytes,
+                    created_ms: c.created_ms,
+                })
+                .collect(),
+        })
+    }
+
+    /// The sandbox (archived) and its chain's rows, as this node records
+    /// them: each snapshot in `<snapshots>/<id>/s`. None if the record does
+    /// not hold together (its chain does not end in its rest snapshot, a
+    /// parent is not the one before, a shape is out of range).
+    pub fn rows(&self, snapshots: &Path) -> Option<(Sandbox, Vec<SnapshotRow>)> {
+        let r = &self.sandbox;
+        let ok = self.version == ARCHIVE_VERSION
+            && !self.chain.is_empty()
+            && self.chain.len() <= vmm::MAX_CHAIN_DEPTH + 1
+            && self.chain.last().map(|c| c.id) == Some(r.rest_snapshot_id)
+            && self.chain[0].parent_id.is_none()
+            && self
+                .chain
+                .windows(2)
+                .all(|w| w[1].parent_id == Some(w[0].id))
+            && (1..=4).contains(&r.cpus)
+            && (128..=8192).contains(&r.memory_mb);
+        if !ok {
+            return None;
+        }
+        let now = now_ms();
+        let chain = self
+            .chain
+            .iter()
+            .enumerate()
+            .map(|(i, c)| SnapshotRow {
+                id: c.id,
+                tenant: c.tenant.clone(),
+                vm_id: c.vm_id,
+                name: c.name.clone(),
+                dir: snapshots
+                    .join(c.id.to_string())
+                    .join(super::store::SNAPSHOT_SUBDIR),
+                kind: c.kind,
+                parent_id: c.parent_id,
+                depth: i as u32 + 1,
+                image: c.image.clone(),
+                cpus: c.cpus,
+                memory_mb: c.memory_mb,
+                env: c.env.clone(),
+                size_bytes: c.size_bytes,
+                created_ms: c.created_ms,
+                uploaded_ms: Some(now),
+            })
+            .collect();
+        let s = Sandbox {
+            state: State::Archived,
+            disable_internet: r.disable_internet,
+            idle_timeout_secs: r.idle_timeout_secs,
+            env: r.env.clone(),
+            metadata: r.metadata.clone(),
+            parent_vm_id: r.parent_vm_id,
+            snapshot_id: r.snapshot_id,
+            rest_snapshot_id: Some(r.rest_snapshot_id),
+            hostname: r.hostname.clone(),
+            ..Sandbox::starting(r.id, &r.tenant, &r.image, r.cpus, r.memory_mb, r.created_ms)
+        };
+        Some((s, chain))
+    }
 }
 
 /// The mirror, when one is configured.
@@ -283,6 +441,57 @@ impl Mirror {
         Ok(total)
     }
 
+    fn archive_key(tenant: &str, vm: Uuid) -> Key {
+        Key::from(format!("{tenant}/{vm}/archive.json"))
+    }
+
+    /// Writes the archive record of a sandbox.
+    pub async fn put_archive(&self, rec: &ArchiveRecord) -> Result<(), String> {
+        let body = serde_json::to_vec(rec).map_err(|e| e.to_string())?;
+        let key = Self::archive_key(&rec.sandbox.tenant, rec.sandbox.id);
+        self.store
+            .put(&key, body.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("Cannot upload {key}: {}", chain(&e)))
+    }
+
+    /// The archive record of `tenant`'s sandbox `vm`, if the store has one.
+    pub async fn get_archive(
+        &self,
+        tenant: &str,
+        vm: Uuid,
+    ) -> Result<Option<ArchiveRecord>, String> {
+        let key = Self::archive_key(tenant, vm);
+        let got = match self.store.get(&key).await {
+            Ok(g) => g,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(format!("Cannot read {key}: {}", chain(&e))),
+        };
+        if got.meta.size > MAX_RECORD as u64 {
+            return Err(format!("{key} is over {MAX_RECORD} bytes"));
+        }
+        let bytes = got
+            .bytes()
+            .await
+            .map_err(|e| format!("Cannot read {key}: {}", chain(&e)))?;
+        let rec: ArchiveRecord =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{key} is not valid: {e}"))?;
+        if rec.sandbox.id != vm || rec.sandbox.tenant != tenant {
+            return Err(format!("{key} is another sandbox's"));
+        }
+        Ok(Some(rec))
+    }
+
+    /// Deletes the archive record of `tenant`'s sandbox `vm`.
+    pub async fn delete_archive(&self, tenant: &str, vm: Uuid) -> Result<(), String> {
+        let key = Self::archive_key(tenant, vm);
+        match self.store.delete(&key).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(format!("Cannot delete {key}: {}", chain(&e))),
+        }
+    }
+
     /// Deletes `row`'s objects (best effort: what is left is logged).
     async fn remove(&self, row: &SnapshotRow) {
         let prefix = Key::from(Self::prefix(row));
@@ -374,52 +583,80 @@ impl App {
                     _ => break,
                 }
             }
-            for row in chain.into_iter().rev().filter(|r| r.uploaded_ms.is_none()) {
-                let t = std::time::Instant::now();
-                // Taken again now: a delete may have removed it meanwhile.
-                let id = row.id;
-                let Some(row) = self
-                    .db(move |r| r.get_snapshot(id))
-                    .await
-                    .map_err(|e| e.message)?
-                else {
-                    continue;
-                };
-                let bytes = m.upload(&row).await?;
-                self.db(move |r| r.set_uploaded(id, now_ms()))
-                    .await
-                    .map_err(|e| e.message)?;
-                tracing::info!(
-                    snapshot = %id, bytes,
-                    "uploaded to the object store in {} ms", t.elapsed().as_millis()
-                );
-            }
+            let ids: Vec<Uuid> = chain
+                .into_iter()
+                .rev()
+                .filter(|r| r.uploaded_ms.is_none())
+                .map(|r| r.id)
+                .collect();
+            self.upload_rows(m, ids).await?;
         }
         Ok(())
+    }
+
+    /// Uploads the snapshots `ids` (base first) that are not in the store.
+    async fn upload_rows(self: &Arc<Self>, m: &Mirror, ids: Vec<Uuid>) -> Result<(), String> {
+        for id in ids {
+            let t = std::time::Instant::now();
+            // Taken again now: a delete may have removed it, or another
+            // upload done it, meanwhile.
+            let Some(row) = self
+                .db(move |r| r.get_snapshot(id))
+                .await
+                .map_err(|e| e.message)?
+            else {
+                continue;
+            };
+            if row.uploaded_ms.is_some() {
+                continue;
+            }
+            let bytes = m.upload(&row).await?;
+            self.db(move |r| r.set_uploaded(id, now_ms()))
+                .await
+                .map_err(|e| e.message)?;
+            tracing::info!(
+                snapshot = %id, bytes,
+                "uploaded to the object store in {} ms", t.elapsed().as_millis()
+            );
+        }
+        Ok(())
+    }
+
+    /// The rows of `snap`'s chain, base first.
+    pub async fn chain_rows(self: &Arc<Self>, snap: Uuid) -> Result<Vec<SnapshotRow>, String> {
+        self.db(move |r| {
+            let mut out = Vec::new();
+            let mut next = Some(snap);
+            while let Some(id) = next {
+                let Some(s) = r.get_snapshot(id)? else { break };
+                next = s.parent_id;
+                out.push(s);
+                if out.len() > vmm::MAX_CHAIN_DEPTH + 1 {
+                    break;
+                }
+            }
+            out.reverse();
+            Ok(out)
+        })
+        .await
+        .map_err(|e| e.message)
+    }
+
+    /// Uploads `snap`'s chain now (what is not in the store yet), base
+    /// first: for an archive, which answers once it is durable.
+    pub async fn upload_chain(self: &Arc<Self>, m: &Mirror, snap: Uuid) -> Result<(), String> {
+        let ids = self.chain_rows(snap).await?.iter().map(|r| r.id).collect();
+        self.upload_rows(m, ids).await
     }
 
     /// Makes every snapshot of `snap`'s chain local: one whose directory
     /// is gone is downloaded from the mirror and verified whole (and
     /// sealed) before it is used.
     pub async fn ensure_local(self: &Arc<Self>, snap: Uuid) -> Result<(), String> {
-        let rows = self
-            .db(move |r| {
-                let mut out = Vec::new();
-                let mut next = Some(snap);
-                while let Some(id) = next {
-                    let Some(s) = r.get_snapshot(id)? else { break };
-                    next = s.parent_id;
-                    out.push(s);
-                    if out.len() > vmm::MAX_CHAIN_DEPTH + 1 {
-                        break;
-                    }
-                }
-                out.reverse();
-                Ok(out)
-            })
-            .await
-            .map_err(|e| e.message)?;
+        let rows = self.chain_rows(snap).await?;
+        let mut parent: Option<PathBuf> = None;
         for row in rows {
+            let here = parent.replace(row.dir.clone());
             if row
                 .dir
                 .join(snapshot::format::MANIFEST_FILE)
@@ -443,6 +680,11 @@ impl App {
             })?;
             let dir = row.dir.clone();
             let verified = tokio::task::spawn_blocking(move || {
+                // Copied from another node, its parent is here now (a link
+                // the load then checks by the parent's id).
+                if let Some(p) = &here {
+                    snapshot::format::relink_parent(&dir, p).map_err(|e| chain(&e))?;
+                }
                 let s = snapshot::format::Snapshot::load(&dir).map_err(|e| chain(&e))?;
                 if let Err(e) = snapshot::format::seal::seal(&s) {
                     tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));

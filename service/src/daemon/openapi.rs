@@ -438,7 +438,7 @@ pub mod tests {
         let ops = operations(&doc);
         assert_eq!(
             ops.len(),
-            37,
+            39,
             "{:?}",
             ops.iter().map(|o| (&o.0, &o.1)).collect::<Vec<_>>()
         );

@@ -445,37 +445,7 @@ impl Registry {
     }
 
     pub fn insert_sandbox(&self, s: &Sandbox) -> Result<(), RegistryError> {
-        self.conn.execute(
-            "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
-                idle_timeout_secs, env, metadata, worker_socket, vsock_socket, pid, created_ms,
-                parent_vm_id, snapshot_id, failure_reason, lineage_snapshot_id,
-                rest_snapshot_id, hostname, tenant)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                ?17, ?18, ?19, ?20)",
-            params![
-                s.id.to_string(),
-                s.state.as_str(),
-                s.image,
-                s.cpus,
-                s.memory_mb,
-                s.disable_internet,
-                s.idle_timeout_secs,
-                json(&s.env),
-                json(&s.metadata),
-                path_text(&s.worker_socket),
-                path_text(&s.vsock_socket),
-                s.pid,
-                s.created_ms as i64,
-                s.parent_vm_id.map(|u| u.to_string()),
-                s.snapshot_id.map(|u| u.to_string()),
-                s.failure_reason,
-                s.lineage_snapshot_id.map(|u| u.to_string()),
-                s.rest_snapshot_id.map(|u| u.to_string()),
-                s.hostname,
-                s.tenant,
-            ],
-        )?;
-        Ok(())
+        insert_sandbox_in(&self.conn, s)
     }
 
     /// Records where a sandbox's worker is (none: it has no worker, as
@@ -521,29 +491,7 @@ impl Registry {
     }
 
     pub fn insert_snapshot(&self, s: &SnapshotRow) -> Result<(), RegistryError> {
-        self.conn.execute(
-            "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
-                memory_mb, env, size_bytes, created_ms, diff, tenant)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-            params![
-                s.id.to_string(),
-                s.vm_id.map(|u| u.to_string()),
-                s.name,
-                s.dir.to_string_lossy(),
-                s.kind.as_str(),
-                s.parent_id.map(|u| u.to_string()),
-                s.depth,
-                s.image,
-                s.cpus,
-                s.memory_mb,
-                json(&s.env),
-                s.size_bytes as i64,
-                s.created_ms as i64,
-                s.parent_id.is_some(),
-                s.tenant,
-            ],
-        )?;
-        Ok(())
+        insert_snapshot_in(&self.conn, s)
     }
 
     pub fn get_snapshot(&self, id: Uuid) -> Result<Option<SnapshotRow>, RegistryError> {
@@ -765,6 +713,76 @@ impl Registry {
         Ok(gone)
     }
 
+    /// The snapshots of archived sandbox `vm`'s chain whose local files
+    /// nothing else here needs: sproutd's own (rest, dropped) and in the
+    /// object store, on no chain of a sandbox that is not archived nor of
+    /// a user snapshot, checkpoint or template.
+    pub fn evictable(&self, vm: Uuid) -> Result<Vec<SnapshotRow>, RegistryError> {
+        let snaps = self.list_snapshots()?;
+        let by_id: std::collections::HashMap<Uuid, &SnapshotRow> =
+            snaps.iter().map(|s| (s.id, s)).collect();
+        let chain = |from: Option<Uuid>, out: &mut std::collections::HashSet<Uuid>| {
+            let mut next = from;
+            while let Some(id) = next {
+                if !out.insert(id) {
+                    break;
+                }
+                next = by_id.get(&id).and_then(|s| s.parent_id);
+            }
+        };
+        let mut needed = std::collections::HashSet::new();
+        let mut mine = std::collections::HashSet::new();
+        for s in self.list_sandboxes()? {
+            if s.id == vm {
+                chain(s.rest_snapshot_id, &mut mine);
+            } else if s.state != State::Archived {
+                chain(s.lineage_snapshot_id, &mut needed);
+                chain(s.rest_snapshot_id, &mut needed);
+                chain(s.snapshot_id, &mut needed);
+            }
+        }
+        for s in &snaps {
+            if matches!(
+                s.kind,
+                SnapshotKind::User | SnapshotKind::Checkpoint | SnapshotKind::Template
+            ) {
+                chain(Some(s.id), &mut needed);
+            }
+        }
+        Ok(snaps
+            .iter()
+            .filter(|s| mine.contains(&s.id) && !needed.contains(&s.id))
+            .filter(|s| matches!(s.kind, SnapshotKind::Rest | SnapshotKind::Dropped))
+            .filter(|s| s.uploaded_ms.is_some())
+            .cloned()
+            .collect())
+    }
+
+    /// Records an archived sandbox from another node and the snapshots of
+    /// its chain (those not known here), in one write.
+    pub fn import_archived(
+        &mut self,
+        s: &Sandbox,
+        chain: &[SnapshotRow],
+    ) -> Result<(), RegistryError> {
+        let tx = self.conn.transaction()?;
+        for c in chain {
+            let known: bool = tx
+                .query_row(
+                    "SELECT COUNT(*) FROM snapshots WHERE id = ?1",
+                    [c.id.to_string()],
+                    |r| r.get::<_, i64>(0),
+                )
+                .map(|n| n > 0)?;
+            if !known {
+                insert_snapshot_in(&tx, c)?;
+            }
+        }
+        insert_sandbox_in(&tx, s)?;
+        tx.commit()?;
+        Ok(())
+    }
+
     /// Records where a sandbox's worker is; false if there is no such sandbox.
     pub fn set_worker(
         &self,
@@ -889,6 +907,67 @@ impl Registry {
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
+}
+
+fn insert_sandbox_in(conn: &Connection, s: &Sandbox) -> Result<(), RegistryError> {
+    conn.execute(
+        "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
+            idle_timeout_secs, env, metadata, worker_socket, vsock_socket, pid, created_ms,
+            parent_vm_id, snapshot_id, failure_reason, lineage_snapshot_id,
+            rest_snapshot_id, hostname, tenant)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+            ?17, ?18, ?19, ?20)",
+        params![
+            s.id.to_string(),
+            s.state.as_str(),
+            s.image,
+            s.cpus,
+            s.memory_mb,
+            s.disable_internet,
+            s.idle_timeout_secs,
+            json(&s.env),
+            json(&s.metadata),
+            path_text(&s.worker_socket),
+            path_text(&s.vsock_socket),
+            s.pid,
+            s.created_ms as i64,
+            s.parent_vm_id.map(|u| u.to_string()),
+            s.snapshot_id.map(|u| u.to_string()),
+            s.failure_reason,
+            s.lineage_snapshot_id.map(|u| u.to_string()),
+            s.rest_snapshot_id.map(|u| u.to_string()),
+            s.hostname,
+            s.tenant,
+        ],
+    )?;
+    Ok(())
+}
+
+fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), RegistryError> {
+    conn.execute(
+        "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
+            memory_mb, env, size_bytes, created_ms, diff, tenant, uploaded_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+        params![
+            s.id.to_string(),
+            s.vm_id.map(|u| u.to_string()),
+            s.name,
+            s.dir.to_string_lossy(),
+            s.kind.as_str(),
+            s.parent_id.map(|u| u.to_string()),
+            s.depth,
+            s.image,
+            s.cpus,
+            s.memory_mb,
+            json(&s.env),
+            s.size_bytes as i64,
+            s.created_ms as i64,
+            s.parent_id.is_some(),
+            s.tenant,
+            s.uploaded_ms.map(|u| u as i64),
+        ],
+    )?;
+    Ok(())
 }
 
 const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle_timeout_secs, \

@@ -162,6 +162,103 @@ pub async fn wake(
     }))
 }
 
+errors!(
+    ArchiveErrors = [
+        VmNotFound,
+        InvalidState,
+        NotSupported,
+        WorkerFailed,
+        SnapshotFailed,
+        StoreFailed,
+    ]
+);
+
+/// Archive a sandbox
+///
+/// Its memory and disk (a snapshot of a running or paused sandbox, the
+/// saved one of a sleeping or hibernated one) go to the object store
+/// (`sproutd --s3-endpoint`), with a record of the sandbox; its worker and
+/// local files are freed, and so is its slot. Answers once all of it is in
+/// the store. `POST …/unarchive`, here or on any sproutd that shares the
+/// bucket, brings it back. Without an object store: `400 not_supported`;
+/// if the store fails, the sandbox is left hibernated (`502
+/// store_failed`).
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/archive", operation_id = "archiveVm", tag = "rest states",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    responses((status = 200, description = "Archived", body = VmView), ArchiveErrors))]
+pub async fn archive(
+    State(app): AppState,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<VmView>, ApiError> {
+    let vm = vm_id(&app, &caller, &id).await?;
+    let a = app.clone();
+    Ok(Json(
+        detached(async move { a.archive(vm).await }).await?.into(),
+    ))
+}
+
+errors!(
+    UnarchiveErrors = [
+        VmNotFound,
+        InvalidState,
+        NotSupported,
+        QuotaExhausted,
+        WorkerFailed,
+        SnapshotFailed,
+        StoreFailed,
+        BootFailed,
+        AgentUnavailable,
+        HostUnsupported,
+    ]
+);
+
+/// Unarchive a sandbox
+///
+/// An archived sandbox of this sproutd, or one another sproutd sharing the
+/// object store archived (its record is read from the store, under the
+/// caller's tenant): its memory and disk are downloaded, verified and
+/// restored into a new worker, same id, files and processes. Needs a
+/// slot. Its archive record is removed once it runs, so it is unarchived
+/// once.
+#[utoipa::path(post, path = "/v1/runtime/vms/{id}/unarchive", operation_id = "unarchiveVm", tag = "rest states",
+    params(("id" = String, Path, description = "The sandbox's id")),
+    responses((status = 200, description = "Running again", body = VmView), UnarchiveErrors))]
+pub async fn unarchive(
+    State(app): AppState,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Json<VmView>, ApiError> {
+    let import = match app.sandbox(&caller, &id).await {
+        Ok(_) => None,
+        Err(e) if e.code == Code::VmNotFound => {
+            // Not here: another node's archive, if the store has one of
+            // this tenant's (another tenant's sandbox here is answered as
+            // an unknown id is).
+            let (Some(m), Ok(vm)) = (app.mirror.as_ref(), Uuid::parse_str(&id)) else {
+                return Err(e);
+            };
+            let rec = m
+                .get_archive(caller.name(), vm)
+                .await
+                .map_err(|m| ApiError::new(Code::StoreFailed, m))?;
+            let here = app.db(move |r| r.get_sandbox(vm)).await?.is_some();
+            match rec {
+                Some(rec) if !here => Some(rec),
+                _ => return Err(e),
+            }
+        }
+        Err(e) => return Err(e),
+    };
+    let vm = Uuid::parse_str(&id).map_err(|_| ApiError::vm_not_found(&id))?;
+    let a = app.clone();
+    Ok(Json(
+        detached(async move { a.unarchive(vm, import).await })
+            .await?
+            .into(),
+    ))
+}
+
 /// Reboot a sandbox
 ///
 /// Its disk is kept (written out first); memory, processes and sessions

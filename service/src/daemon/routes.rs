@@ -60,6 +60,8 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
         .routes(routes!(rest::hibernate))
         .routes(routes!(rest::wake))
         .routes(routes!(rest::reboot))
+        .routes(routes!(rest::archive))
+        .routes(routes!(rest::unarchive))
         .routes(routes!(rest::snapshot))
         .routes(routes!(rest::fork))
         .routes(routes!(rest::create_checkpoint, rest::list_checkpoints))

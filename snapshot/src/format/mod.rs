@@ -295,6 +295,42 @@ impl KernelIdentity {
     }
 }
 
+/// Points the diff snapshot in `dir` at its parent's new directory
+/// `parent_dir`, for a chain that was copied elsewhere (an import on
+/// another node): `manifest.json` is read and checked, its parent path
+/// replaced, and written again (its checksum made anew) through a
+/// temporary file renamed over it, then synced. Nothing else changes: the
+/// parent's id is kept, so a load still refuses a parent that is not the
+/// one recorded. False if the snapshot has no parent or already points
+/// there. A seal (see [`seal`]) of `dir` is stale after this: seal again.
+pub fn relink_parent(dir: &Path, parent_dir: &Path) -> Result<bool, SnapshotError> {
+    let path = dir.join(MANIFEST_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| SnapshotError::io("read", &path, e))?;
+    let mut m = manifest::decode(&bytes, &path)?;
+    let Some(parent) = m.parent.as_mut() else {
+        return Ok(false);
+    };
+    if parent.path == parent_dir {
+        return Ok(false);
+    }
+    parent.path = parent_dir.to_path_buf();
+    let (out, _) = manifest::encode(&m);
+    let tmp = dir.join(".manifest.json.relink");
+    let write = || -> io::Result<()> {
+        use std::io::Write as _;
+        let mut f = File::create(&tmp)?;
+        f.write_all(&out)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        File::open(dir)?.sync_all()
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        SnapshotError::io("rewrite", &path, e)
+    })?;
+    Ok(true)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

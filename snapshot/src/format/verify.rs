@@ -405,6 +405,42 @@ mod tests {
     }
 
     #[test]
+    fn a_chain_copied_elsewhere_loads_once_relinked_and_not_to_another_parent() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = chain(dir.path(), 2);
+        // Copied as an import on another node would: each snapshot in its own
+        // directory, the parent no longer at the path the child recorded.
+        let other = tempfile::tempdir().unwrap();
+        let (p, k) = (other.path().join("a/s"), other.path().join("b/s"));
+        for (from, to) in [(c[0].dir(), &p), (c[1].dir(), &k)] {
+            std::fs::create_dir_all(to).unwrap();
+            for e in std::fs::read_dir(from).unwrap() {
+                let e = e.unwrap();
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+        assert!(
+            Snapshot::load_chain(&k).is_err(),
+            "the old parent path is gone"
+        );
+        assert!(crate::format::relink_parent(&k, &p).unwrap());
+        assert!(
+            !crate::format::relink_parent(&k, &p).unwrap(),
+            "already there"
+        );
+        let loaded = Snapshot::load_chain(&k).unwrap();
+        assert_eq!(loaded.len(), 2);
+        assert_eq!(loaded[0].id(), c[0].id());
+        // Pointed at a snapshot that is not its parent: refused on load.
+        std::fs::create_dir_all(other.path().join("x")).unwrap();
+        let stranger = chain(&other.path().join("x"), 1);
+        crate::format::relink_parent(&k, stranger[0].dir()).unwrap();
+        assert!(Snapshot::load_chain(&k).is_err());
+        // A base has no parent to relink.
+        assert!(!crate::format::relink_parent(&p, &k).unwrap());
+    }
+
+    #[test]
     fn chain_refuses_loops_mismatches_and_depth() {
         let dir = tempfile::tempdir().unwrap();
         let c = chain(dir.path(), 2);
