@@ -4,109 +4,14 @@
 //! test guest; and retention (docs/api.md, "The snapshot store").
 
 mod common;
+use common::s3::{BUCKET, CREDS, S3};
 use common::*;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
-
-const BUCKET: &str = "sprout-snapshots";
-const CREDS: [(&str, &str); 2] = [
-    ("AWS_ACCESS_KEY_ID", "sprout-test"),
-    ("AWS_SECRET_ACCESS_KEY", "sprout-test-secret"),
-];
-
-fn moto() -> PathBuf {
-    if let Some(p) = std::env::var_os("SPROUT_MOTO") {
-        return p.into();
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/s3/install.sh");
-    let out = Command::new(script)
-        .output()
-        .expect("run tests/s3/install.sh");
-    assert!(
-        out.status.success(),
-        "tests/s3/install.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
-}
-
-/// moto's S3 server on loopback (port 0: any), its bucket made.
-struct S3 {
-    child: Child,
-    port: u16,
-}
-
-impl S3 {
-    async fn start(port: u16) -> S3 {
-        let mut child = Command::new(moto())
-            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start moto_server");
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut port = 0;
-        let mut seen = String::new();
-        while port == 0 {
-            let mut line = String::new();
-            assert!(err.read_line(&mut line).unwrap() > 0, "moto said: {seen}");
-            seen.push_str(&line);
-            if let Some(rest) = line.split("Running on http://127.0.0.1:").nth(1) {
-                port = rest.trim().trim_end_matches('/').parse().unwrap();
-            }
-        }
-        // Its requests' log: read on, so that a full pipe never stops it.
-        std::thread::spawn(move || for _ in err.lines() {});
-        let s = S3 { child, port };
-        let r = Client::new().put(s.url(BUCKET)).send().await.unwrap();
-        assert!(r.status().is_success(), "make the bucket: {}", r.status());
-        s
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}/{path}", self.port)
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// The keys under `prefix`.
-    async fn keys(&self, prefix: &str) -> Vec<String> {
-        let xml = Client::new()
-            .get(self.url(&format!("{BUCKET}?list-type=2&prefix={prefix}")))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        xml.split("<Key>")
-            .skip(1)
-            .filter_map(|k| k.split("</Key>").next())
-            .map(str::to_owned)
-            .collect()
-    }
-
-    fn stop(mut self) -> u16 {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.port
-    }
-}
-
-impl Drop for S3 {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 async fn get(c: &Client, d: &Daemon, path: &str) -> Value {
     let r = c.get(d.url(path)).send().await.unwrap();
@@ -343,8 +248,6 @@ async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
     // An archived sandbox runs nothing until it is unarchived.
     let r = post(&c, &a, &format!("/v1/runtime/vms/{vm}/pause"), json!({})).await;
     assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
-    a.stop();
-    std::fs::remove_dir_all(&dir_a).unwrap();
 
     let b = Daemon::start_env(&dir_b, &args, &CREDS);
     let r = c
@@ -379,6 +282,31 @@ async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
     )
     .await;
     assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
+    // Node A, which archived it, knows it was unarchived elsewhere and
+    // does not run it twice; its delete there leaves B's objects alone.
+    let r = post(
+        &c,
+        &a,
+        &format!("/v1/runtime/vms/{vm}/unarchive"),
+        json!({}),
+    )
+    .await;
+    let m = assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
+    assert!(m.contains("unarchived elsewhere"), "{m}");
+    let before = s3.keys("").await;
+    let r = c
+        .delete(a.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    a.stop();
+    std::fs::remove_dir_all(&dir_a).unwrap();
+    assert_eq!(
+        s3.keys("").await,
+        before,
+        "A's delete removed objects B needs"
+    );
     // It snapshots on, as a diff on the chain it came back from.
     let s2 = snapshot(&c, &b, &vm).await;
     assert_ne!(s1, s2);
@@ -392,4 +320,18 @@ async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
     )
     .await;
     assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+    // Archived again on B and deleted there: its record goes first, so no
+    // node brings it back.
+    let r = post(&c, &b, &format!("/v1/runtime/vms/{vm}/archive"), json!({})).await;
+    assert_eq!(r.status(), 200);
+    let r = c
+        .delete(b.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(!s3
+        .keys(&format!("default/{vm}/"))
+        .await
+        .contains(&format!("default/{vm}/archive.json")));
 }

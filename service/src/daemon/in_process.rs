@@ -44,6 +44,7 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         tenants: super::tenants::Tenants::single(),
         slots: Default::default(),
         mirror: None,
+        downloads: Default::default(),
         retention: (0, 0),
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))

@@ -91,8 +91,10 @@ pub enum LabError {
     GaveUp(u32, PathBuf),
     #[error("Cannot write {0}")]
     File(PathBuf, #[source] std::io::Error),
-    #[error("Cannot copy the tenants file {0} onto the lab's data disk: {1}")]
+    #[error("Cannot bring the tenants file {0} into the lab: {1}")]
     Tenants(PathBuf, String),
+    #[error("The object store {0} cannot be reached from the lab: {1}")]
+    Store(String, String),
 }
 
 /// What the lab needs, resolved before anything starts.
@@ -106,8 +108,40 @@ struct Config {
     memory_mib: u32,
     /// Arguments for the lab's sproutd (simple tokens: no spaces or commas).
     inner_args: Vec<String>,
-    /// The tenants file, copied onto the data disk at each boot.
+    /// The tenants file, brought in at each boot (see [`config_drive`]).
     tenants: Option<PathBuf>,
+    /// The object store's credentials for the lab's sproutd, when it has
+    /// a mirror.
+    s3_env: Option<String>,
+    /// The host address the object store is on, forwarded to the lab's
+    /// [`INNER_S3`].
+    s3_host: Option<String>,
+}
+
+/// Where the lab's sproutd finds the object store: a guest address whose
+/// connections QEMU forwards to the host's store (`guestfwd`).
+const INNER_S3: &str = "10.0.2.100:9000";
+
+/// The `HOST:PORT` of a plain-http store endpoint, which the lab can
+/// forward to.
+fn s3_host(endpoint: &str) -> Result<String, LabError> {
+    let bad = |why: &str| LabError::Store(endpoint.to_owned(), why.to_owned());
+    let rest = endpoint
+        .strip_prefix("http://")
+        .ok_or_else(|| bad("the lab forwards plain http:// endpoints only"))?;
+    let host = rest.trim_end_matches('/');
+    let ok = !host.is_empty()
+        && !host.contains('/')
+        && host
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0))
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b));
+    if !ok {
+        return Err(bad("give it as http://HOST:PORT"));
+    }
+    Ok(host.to_owned())
 }
 
 /// Where the lab's sproutd finds the tenants file (its init unpacks it
@@ -203,43 +237,86 @@ fn ensure_data_disk(disk: &Path) -> Result<(), LabError> {
     std::fs::rename(&tmp, disk).map_err(|e| err(e.to_string()))
 }
 
-/// The drive that brings the tenants file into the lab: a tar archive
-/// (ustar) of one file, `tenants.toml`, that the lab's init unpacks to
-/// [`INNER_TENANTS`]. Remade before each boot from `file` if it loads; if
-/// it does not, the last good drive is kept (and the error told), so that
-/// a bad edit never stops the lab from coming back.
-fn tenants_drive(dir: &Path, file: &Path) -> Result<PathBuf, LabError> {
-    let drive = dir.join("tenants.tar");
+/// The tenants file's bytes for the lab: `file` if it loads (kept as
+/// `tenants.toml.good` in `dir`); if it does not, the last good one (and
+/// the error told), so that a bad edit never stops the lab from coming
+/// back.
+fn lab_tenants(dir: &Path, file: &Path) -> Result<Vec<u8>, LabError> {
+    let good = dir.join("tenants.toml.good");
     let err = |m: String| LabError::Tenants(file.to_owned(), m);
     let fresh = super::tenants::Tenants::load(file)
         .map_err(|e| super::error::chain(&e))
         .and_then(|_| std::fs::read(file).map_err(|e| e.to_string()));
-    let bytes = match fresh {
-        Ok(b) if b.len() <= MAX_LAB_TENANTS => b,
-        Ok(b) => {
-            return Err(err(format!(
-                "it is {} bytes; the lab takes at most {MAX_LAB_TENANTS}",
-                b.len()
-            )))
+    match fresh {
+        Ok(b) if b.len() <= MAX_LAB_TENANTS => {
+            std::fs::write(&good, &b).map_err(|e| err(e.to_string()))?;
+            Ok(b)
         }
-        Err(e) if drive.is_file() => {
-            eprintln!("sproutd: {e}; the lab keeps the tenants file it had");
-            return Ok(drive);
-        }
-        Err(e) => return Err(err(e)),
-    };
-    let tmp = dir.join("tenants.tar.tmp");
-    std::fs::write(&tmp, ustar("tenants.toml", &bytes)).map_err(|e| err(e.to_string()))?;
-    std::fs::rename(&tmp, &drive).map_err(|e| err(e.to_string()))?;
-    Ok(drive)
+        Ok(b) => Err(err(format!(
+            "it is {} bytes; the lab takes at most {MAX_LAB_TENANTS}",
+            b.len()
+        ))),
+        Err(e) => match std::fs::read(&good) {
+            Ok(b) => {
+                eprintln!("sproutd: {e}; the lab keeps the tenants file it had");
+                Ok(b)
+            }
+            Err(_) => Err(err(e)),
+        },
+    }
+}
+
+/// The drive that brings the lab's sproutd what is not on its command
+/// line: a tar archive (ustar) that the lab's init unpacks into
+/// `/run/sprout/`, with `tenants.toml` (see [`lab_tenants`]) and
+/// `s3.env` (the object store's credentials, sourced before sproutd
+/// starts). Made before each boot; none if there is nothing to bring.
+fn config_drive(
+    dir: &Path,
+    tenants: Option<&Path>,
+    s3_env: Option<&str>,
+) -> Result<Option<PathBuf>, LabError> {
+    let mut files: Vec<(&str, Vec<u8>)> = Vec::new();
+    if let Some(t) = tenants {
+        files.push(("tenants.toml", lab_tenants(dir, t)?));
+    }
+    if let Some(e) = s3_env {
+        files.push(("s3.env", e.as_bytes().to_vec()));
+    }
+    if files.is_empty() {
+        return Ok(None);
+    }
+    let drive = dir.join("config.tar");
+    let err = |e: std::io::Error| LabError::File(drive.clone(), e);
+    let mut tar = Vec::new();
+    for (name, data) in &files {
+        tar.extend(ustar_entry(name, data));
+    }
+    tar.resize(tar.len() + 1024, 0);
+    let tmp = dir.join("config.tar.tmp");
+    std::fs::write(&tmp, &tar).map_err(err)?;
+    std::fs::rename(&tmp, &drive).map_err(err)?;
+    Ok(Some(drive))
+}
+
+/// The store's credentials as `s3.env` holds them: shell assignments,
+/// each value single-quoted.
+fn s3_env() -> String {
+    let mut out = String::new();
+    for k in ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"] {
+        let v = std::env::var(k).unwrap_or_default().replace('\'', "'\\''");
+        out.push_str(&format!("export {k}='{v}'\n"));
+    }
+    out
 }
 
 /// Most bytes of a tenants file served from the lab (it also goes over
 /// the console at a SIGHUP).
 const MAX_LAB_TENANTS: usize = 1 << 20;
 
-/// A ustar archive of one regular file `name` (root's, mode 0600).
-fn ustar(name: &str, data: &[u8]) -> Vec<u8> {
+/// One regular file `name` (root's, mode 0600) of a ustar archive: its
+/// header and its data, padded to 512 bytes.
+fn ustar_entry(name: &str, data: &[u8]) -> Vec<u8> {
     let mut h = [0u8; 512];
     let put = |h: &mut [u8; 512], at: usize, v: &[u8]| h[at..at + v.len()].copy_from_slice(v);
     put(&mut h, 0, name.as_bytes());
@@ -257,7 +334,7 @@ fn ustar(name: &str, data: &[u8]) -> Vec<u8> {
     put(&mut h, 148, format!("{sum:06o}\0 ").as_bytes());
     let mut out = h.to_vec();
     out.extend_from_slice(data);
-    out.resize(out.len().div_ceil(512) * 512 + 1024, 0);
+    out.resize(out.len().div_ceil(512) * 512, 0);
     out
 }
 
@@ -311,12 +388,22 @@ impl Run {
             // The third drive: /dev/vdc in the lab.
             cmd.arg("-drive").arg(drive(t, true));
         }
+        let mut nic = format!(
+            "user,model=virtio-net-pci,restrict=on,hostfwd=tcp:{}:{}-:{INNER_PORT}",
+            cfg.addr.ip(),
+            cfg.addr.port()
+        );
+        if let Some(h) = &cfg.s3_host {
+            // Each connection of the lab's sproutd to the store's guest
+            // address runs a netcat to the host's store (the only way out
+            // of the restricted network).
+            let (host, port) = h.rsplit_once(':').unwrap_or((h, "80"));
+            nic.push_str(&format!(
+                ",guestfwd=tcp:{INNER_S3}-cmd:/bin/busybox nc {host} {port}"
+            ));
+        }
         cmd.arg("-nic")
-            .arg(format!(
-                "user,model=virtio-net-pci,restrict=on,hostfwd=tcp:{}:{}-:{INNER_PORT}",
-                cfg.addr.ip(),
-                cfg.addr.port()
-            ))
+            .arg(nic)
             .arg("-append")
             .arg(format!(
                 "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.printk=1 lab.service=sproutd \
@@ -713,6 +800,10 @@ pub(super) fn serve(
     let dir = data_dir.join("lab");
     std::fs::create_dir_all(&dir).map_err(|e| DaemonError::DataDir(dir.clone(), e))?;
     let addr = forward_addr(args.listen)?;
+    let s3_host = match &args.store.s3_endpoint {
+        Some(e) => Some(s3_host(e)?),
+        None => None,
+    };
     let disk = dir.join("data.ext4");
     ensure_data_disk(&disk)?;
     let cfg = Config {
@@ -736,9 +827,18 @@ pub(super) fn serve(
             if args.tenants.is_some() {
                 a.push(format!("--tenants={INNER_TENANTS}"));
             }
+            if let (Some(_), Some(bucket)) = (&s3_host, &args.store.s3_bucket) {
+                a.push(format!("--s3-endpoint=http://{INNER_S3}"));
+                a.push(format!("--s3-bucket={bucket}"));
+                a.push(format!("--s3-region={}", args.store.s3_region));
+            }
+            a.push(format!("--keep-snapshots={}", args.store.keep_snapshots));
+            a.push(format!("--keep-days={}", args.store.keep_days));
             a
         },
         tenants: args.tenants.clone(),
+        s3_env: s3_host.as_ref().map(|_| s3_env()),
+        s3_host,
     };
     tracing::warn!("{why}");
     eprintln!(
@@ -764,11 +864,8 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
         let started = Instant::now();
         // Read again at each boot: a restart of the lab takes the file's
         // changes.
-        let tenants = match &cfg.tenants {
-            Some(t) => Some(tenants_drive(&cfg.dir, t)?),
-            None => None,
-        };
-        let mut run = Run::start(&cfg, tenants.as_deref())?;
+        let drive = config_drive(&cfg.dir, cfg.tenants.as_deref(), cfg.s3_env.as_deref())?;
+        let mut run = Run::start(&cfg, drive.as_deref())?;
         match run.until_ready(&cfg, &mut stop).await {
             Ok(true) => {}
             Ok(false) => {
@@ -880,31 +977,57 @@ mod tests {
     }
 
     #[test]
-    fn the_tenants_drive_is_a_tar_that_tar_unpacks() {
+    fn the_config_drive_is_a_tar_that_tar_unpacks() {
         let d = tempfile::tempdir().unwrap();
         let text: String = (0..40)
             .map(|i| format!("[[tenant]]\nname = \"t{i}\"\n"))
             .collect();
         let f = d.path().join("t.toml");
         std::fs::write(&f, &text).unwrap();
-        let drive = tenants_drive(d.path(), &f).unwrap();
+        let env = "export AWS_ACCESS_KEY_ID='a'\n";
+        let drive = config_drive(d.path(), Some(&f), Some(env))
+            .unwrap()
+            .unwrap();
         let bytes = std::fs::read(&drive).unwrap();
         assert_eq!(bytes.len() % 512, 0);
-        let out = std::process::Command::new("tar")
-            .arg("-xOf")
-            .arg(&drive)
-            .arg("tenants.toml")
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        assert_eq!(String::from_utf8(out.stdout).unwrap(), text);
-        // A bad edit keeps the last good drive.
+        let unpack = |name: &str| {
+            let out = std::process::Command::new("tar")
+                .arg("-xOf")
+                .arg(&drive)
+                .arg(name)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{out:?}");
+            String::from_utf8(out.stdout).unwrap()
+        };
+        assert_eq!(unpack("tenants.toml"), text);
+        assert_eq!(unpack("s3.env"), env);
+        // A bad edit keeps the last good tenants file.
         std::fs::write(&f, "[[tenant]]\nname = 7\n").unwrap();
-        assert_eq!(tenants_drive(d.path(), &f).unwrap(), drive);
-        assert_eq!(std::fs::read(&drive).unwrap(), bytes);
-        // With no good drive yet, the error is told.
-        let e = tenants_drive(&d.path().join("none"), &f).unwrap_err();
+        config_drive(d.path(), Some(&f), None).unwrap();
+        assert_eq!(unpack("tenants.toml"), text);
+        // With no good one yet, the error is told.
+        let none = d.path().join("none");
+        std::fs::create_dir(&none).unwrap();
+        let e = config_drive(&none, Some(&f), None).unwrap_err();
         assert!(e.to_string().contains("not valid"), "{e}");
+        assert!(config_drive(&none, None, None).unwrap().is_none());
+    }
+
+    #[test]
+    fn only_plain_http_stores_are_forwarded_into_the_lab() {
+        assert_eq!(s3_host("http://127.0.0.1:9000").unwrap(), "127.0.0.1:9000");
+        assert_eq!(s3_host("http://minio.local:80/").unwrap(), "minio.local:80");
+        for bad in [
+            "https://s3.amazonaws.com",
+            "http://127.0.0.1",
+            "http://h:9000/bucket",
+            "http://h:0",
+            "http://a b:1",
+            "http://h:1,guestfwd=x",
+        ] {
+            assert!(s3_host(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -380,6 +380,7 @@ impl App {
             size_bytes: w.size_bytes,
             created_ms: now_ms(),
             uploaded_ms: None,
+            imported: false,
         };
         let (row, vm, rest) = (snap.clone(), s.id, s.rest_snapshot_id);
         let recorded = self
@@ -654,7 +655,14 @@ impl App {
                     format!("The archive record of sandbox {id} does not hold together"),
                 )
             })?;
-            self.db(move |r| r.import_archived(&row, &chain)).await?;
+            self.db(move |r| r.import_archived(&row, &chain))
+                .await?
+                .map_err(|why| {
+                    ApiError::new(
+                        Code::StoreFailed,
+                        format!("The archive record of sandbox {id} is refused: {why}"),
+                    )
+                })?;
             tracing::info!(vm = %id, "imported from the object store's archive record");
         }
         let (_g, s) = self.locked(id).await?;
@@ -665,11 +673,37 @@ impl App {
         let rest = s
             .rest_snapshot_id
             .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
+        // The record is the claim: taken from the store before the restore
+        // (put back if it fails), so a node whose record is gone knows
+        // another node has the sandbox.
+        let rec = m
+            .get_archive(&s.tenant, id)
+            .await
+            .map_err(|e| ApiError::new(Code::StoreFailed, e))?
+            .ok_or_else(|| {
+                ApiError::in_state(
+                    Code::InvalidState,
+                    "archived",
+                    format!(
+                        "Sandbox {id} was unarchived elsewhere: its archive record is gone from \
+                         the object store (delete it here)"
+                    ),
+                )
+            })?;
+        m.delete_archive(&s.tenant, id)
+            .await
+            .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
         let t = Instant::now();
+        // Starting while it restores: nothing evicts its chain meanwhile.
+        self.db(move |r| r.set_state(id, State::Starting, None))
+            .await?;
         if let Err(e) = self.restore_into(&s, rest, s.hostname.clone()).await {
             // Still archived: the store keeps it, another try may work.
             let st = State::Archived;
             self.db(move |r| r.set_state(id, st, None)).await?;
+            if let Err(e) = m.put_archive(&rec).await {
+                tracing::error!(vm = %id, "cannot put its archive record back: {e}");
+            }
             return Err(ApiError::new(
                 e.code,
                 format!("Sandbox {id} stays archived: {}", e.message),
@@ -677,9 +711,6 @@ impl App {
         }
         self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
             .await?;
-        if let Err(e) = m.delete_archive(&s.tenant, id).await {
-            tracing::warn!(vm = %id, "{e}");
-        }
         self.metrics.unarchive.observe(t.elapsed());
         tracing::info!(vm = %id, "unarchived in {} ms", t.elapsed().as_millis());
         self.get(id).await

@@ -37,6 +37,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// Most files a snapshot in the store may list (a download trusts nothing
 /// it reads).
 const MAX_FILES: usize = 64;
+/// Longest one request to the store may take, its body included.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
+/// Largest `complete.json` read.
+const MAX_COMPLETE: u64 = 64 << 10;
 
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct StoreArgs {
@@ -189,7 +193,13 @@ impl ArchiveRecord {
                 .windows(2)
                 .all(|w| w[1].parent_id == Some(w[0].id))
             && (1..=4).contains(&r.cpus)
-            && (128..=8192).contains(&r.memory_mb);
+            && (128..=8192).contains(&r.memory_mb)
+            // Each snapshot the sandbox's tenant's, or sproutd's own (a
+            // template's).
+            && self
+                .chain
+                .iter()
+                .all(|c| c.tenant == r.tenant || (c.tenant.is_empty() && c.vm_id.is_none()));
         if !ok {
             return None;
         }
@@ -206,7 +216,14 @@ impl ArchiveRecord {
                 dir: snapshots
                     .join(c.id.to_string())
                     .join(super::store::SNAPSHOT_SUBDIR),
-                kind: c.kind,
+                // Here, only the sandbox's chain: its rest snapshot, and what
+                // it builds on (not listed, not a template or checkpoint of
+                // this node's).
+                kind: if i + 1 == self.chain.len() {
+                    SnapshotKind::Rest
+                } else {
+                    SnapshotKind::Dropped
+                },
                 parent_id: c.parent_id,
                 depth: i as u32 + 1,
                 image: c.image.clone(),
@@ -216,6 +233,7 @@ impl ArchiveRecord {
                 size_bytes: c.size_bytes,
                 created_ms: c.created_ms,
                 uploaded_ms: Some(now),
+                imported: true,
             })
             .collect();
         let s = Sandbox {
@@ -231,6 +249,21 @@ impl ArchiveRecord {
             ..Sandbox::starting(r.id, &r.tenant, &r.image, r.cpus, r.memory_mb, r.created_ms)
         };
         Some((s, chain))
+    }
+}
+
+/// One lock per snapshot being downloaded.
+#[derive(Default)]
+pub struct Downloads {
+    gates: std::sync::Mutex<std::collections::HashMap<Uuid, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Downloads {
+    fn gate(&self, id: Uuid) -> Arc<tokio::sync::Mutex<()>> {
+        let mut g = super::lock(&self.gates);
+        // Gates nobody holds or waits on go (a few at a time stay).
+        g.retain(|_, m| Arc::strong_count(m) > 1);
+        g.entry(id).or_default().clone()
     }
 }
 
@@ -256,13 +289,13 @@ impl Mirror {
                     .into(),
             );
         }
+        let plain = endpoint.starts_with("http://");
         let store = object_store::aws::AmazonS3Builder::new()
             .with_endpoint(endpoint)
             .with_bucket_name(bucket)
             .with_region(&args.s3_region)
             .with_access_key_id(id)
             .with_secret_access_key(secret)
-            .with_allow_http(endpoint.starts_with("http://"))
             .with_virtual_hosted_style_request(false)
             // A store that is down is retried by the uploader, at its pace.
             .with_retry(object_store::RetryConfig {
@@ -270,6 +303,17 @@ impl Mirror {
                 retry_timeout: Duration::from_secs(20),
                 ..Default::default()
             })
+            // A request's whole time, body included: a part is 8 MiB, but
+            // a download is one object (a memory layer can be GiBs).
+            .with_client_options(
+                object_store::ClientOptions::new()
+                    .with_allow_http(plain)
+                    // Plain http needs no CA roots (the lab has none).
+                    .with_no_system_certificates(plain)
+                    .with_connect_timeout(Duration::from_secs(10))
+                    .with_read_timeout(Duration::from_secs(60))
+                    .with_timeout(REQUEST_TIMEOUT),
+            )
             .build()
             .map_err(|e| format!("Bad object store settings: {}", chain(&e)))?;
         Ok(Some(Mirror {
@@ -370,16 +414,20 @@ impl Mirror {
         Ok(total)
     }
 
-    /// Downloads `row`'s snapshot into its directory (which must not
-    /// exist), through a temporary one renamed into place.
-    async fn download(&self, row: &SnapshotRow) -> Result<u64, String> {
+    /// Downloads `row`'s snapshot into `tmp` (made here, beside its
+    /// directory); its bytes.
+    async fn download(&self, row: &SnapshotRow, tmp: &Path) -> Result<u64, String> {
         use tokio::io::AsyncWriteExt as _;
         let prefix = Self::prefix(row);
-        let bytes = self
+        let got = self
             .store
             .get(&Key::from(format!("{prefix}/{COMPLETE}")))
             .await
-            .map_err(|e| format!("{prefix} is not in the object store: {}", chain(&e)))?
+            .map_err(|e| format!("{prefix} is not in the object store: {}", chain(&e)))?;
+        if got.meta.size > MAX_COMPLETE {
+            return Err(format!("{prefix}/{COMPLETE} is over {MAX_COMPLETE} bytes"));
+        }
+        let bytes = got
             .bytes()
             .await
             .map_err(|e| format!("Cannot read {prefix}/{COMPLETE}: {}", chain(&e)))?;
@@ -388,15 +436,7 @@ impl Mirror {
         if complete.snapshot != row.id || complete.files.len() > MAX_FILES {
             return Err(format!("{prefix}/{COMPLETE} is not this snapshot's"));
         }
-        let parent = row
-            .dir
-            .parent()
-            .ok_or_else(|| format!("{} has no parent", row.dir.display()))?;
-        std::fs::create_dir_all(parent)
-            .map_err(|e| format!("Cannot create {}: {e}", parent.display()))?;
-        let tmp = parent.join(".download");
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir(&tmp).map_err(|e| format!("Cannot create {}: {e}", tmp.display()))?;
+        std::fs::create_dir(tmp).map_err(|e| format!("Cannot create {}: {e}", tmp.display()))?;
         let mut total = 0u64;
         for f in &complete.files {
             let plain = !f.name.is_empty()
@@ -436,8 +476,6 @@ impl Mirror {
                 .map_err(|e| format!("Cannot write {}: {e}", path.display()))?;
             total += got;
         }
-        std::fs::rename(&tmp, &row.dir)
-            .map_err(|e| format!("Cannot move the download into {}: {e}", row.dir.display()))?;
         Ok(total)
     }
 
@@ -570,6 +608,7 @@ impl App {
             .map_err(|e| e.message)?;
         let by_id: std::collections::HashMap<Uuid, &SnapshotRow> =
             all.iter().map(|s| (s.id, s)).collect();
+        let mut failed = None;
         for s in all
             .iter()
             .filter(|s| matches!(s.kind, SnapshotKind::User | SnapshotKind::Checkpoint))
@@ -589,9 +628,12 @@ impl App {
                 .filter(|r| r.uploaded_ms.is_none())
                 .map(|r| r.id)
                 .collect();
-            self.upload_rows(m, ids).await?;
+            // One that fails does not hold back the others.
+            if let Err(e) = self.upload_rows(m, ids).await {
+                failed.get_or_insert(e);
+            }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Uploads the snapshots `ids` (base first) that are not in the store.
@@ -657,12 +699,13 @@ impl App {
         let mut parent: Option<PathBuf> = None;
         for row in rows {
             let here = parent.replace(row.dir.clone());
-            if row
-                .dir
-                .join(snapshot::format::MANIFEST_FILE)
-                .symlink_metadata()
-                .is_ok()
-            {
+            let present = |r: &SnapshotRow| {
+                r.dir
+                    .join(snapshot::format::MANIFEST_FILE)
+                    .symlink_metadata()
+                    .is_ok()
+            };
+            if present(&row) {
                 continue;
             }
             let (Some(m), Some(_)) = (&self.mirror, row.uploaded_ms) else {
@@ -672,34 +715,58 @@ impl App {
                     row.dir.display()
                 ));
             };
+            // One download of a snapshot at a time; whoever waited finds
+            // it here.
+            let gate = self.downloads.gate(row.id);
+            let _turn = gate.lock().await;
+            if present(&row) {
+                continue;
+            }
+            let base = row
+                .dir
+                .parent()
+                .ok_or_else(|| format!("{} has no parent", row.dir.display()))?
+                .to_path_buf();
+            std::fs::create_dir_all(&base)
+                .map_err(|e| format!("Cannot create {}: {e}", base.display()))?;
+            let tmp = base.join(format!(".download-{}", Uuid::new_v4().simple()));
             let t = std::time::Instant::now();
-            let bytes = m.download(&row).await.inspect_err(|_| {
-                if let Some(p) = row.dir.parent() {
-                    let _ = std::fs::remove_dir_all(p.join(".download"));
+            let fetched = m.download(&row, &tmp).await;
+            let (dir, tmp2) = (row.dir.clone(), tmp.clone());
+            let placed = tokio::task::spawn_blocking(move || {
+                let bytes = fetched?;
+                // Verified where it was downloaded, and only then put in
+                // place. Copied from another node, its parent is here now
+                // (a link the load checks by the parent's id).
+                let check = || -> Result<(), String> {
+                    if let Some(p) = &here {
+                        snapshot::format::relink_parent(&tmp2, p).map_err(|e| chain(&e))?;
+                    }
+                    snapshot::format::Snapshot::load(&tmp2)
+                        .map(|_| ())
+                        .map_err(|e| format!("it does not verify: {}", chain(&e)))
+                };
+                check()?;
+                // A partial directory a crash left is not a snapshot.
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::rename(&tmp2, &dir)
+                    .map_err(|e| format!("Cannot move it into {}: {e}", dir.display()))?;
+                match snapshot::format::Snapshot::load(&dir) {
+                    Ok(s) => {
+                        if let Err(e) = snapshot::format::seal::seal(&s) {
+                            tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));
+                        }
+                    }
+                    Err(e) => return Err(format!("it does not verify: {}", chain(&e))),
                 }
-            })?;
-            let dir = row.dir.clone();
-            let verified = tokio::task::spawn_blocking(move || {
-                // Copied from another node, its parent is here now (a link
-                // the load then checks by the parent's id).
-                if let Some(p) = &here {
-                    snapshot::format::relink_parent(&dir, p).map_err(|e| chain(&e))?;
-                }
-                let s = snapshot::format::Snapshot::load(&dir).map_err(|e| chain(&e))?;
-                if let Err(e) = snapshot::format::seal::seal(&s) {
-                    tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));
-                }
-                Ok::<_, String>(())
+                Ok::<_, String>(bytes)
             })
             .await
             .map_err(|e| e.to_string())?;
-            if let Err(e) = verified {
-                let _ = std::fs::remove_dir_all(&row.dir);
-                return Err(format!(
-                    "Snapshot {} from the object store does not verify: {e}",
-                    row.id
-                ));
-            }
+            let tmp3 = tmp.clone();
+            let _ = tokio::task::spawn_blocking(move || std::fs::remove_dir_all(tmp3)).await;
+            let bytes =
+                placed.map_err(|e| format!("Snapshot {} from the object store: {e}", row.id))?;
             tracing::info!(
                 snapshot = %row.id, bytes,
                 "downloaded from the object store and verified in {} ms",
@@ -714,9 +781,11 @@ impl App {
         if self.mirror.is_none() {
             return;
         }
+        // Another node's (imported from its archive) are not this node's
+        // to delete: that node, or an archive of it, may need them.
         let gone: Vec<SnapshotRow> = gone
             .into_iter()
-            .filter(|s| s.uploaded_ms.is_some())
+            .filter(|s| s.uploaded_ms.is_some() && !s.imported)
             .collect();
         if gone.is_empty() {
             return;

@@ -173,6 +173,8 @@ pub struct App {
     slots: Arc<tenants::Slots>,
     /// The object store snapshots are mirrored to, if any.
     mirror: Option<mirror::Mirror>,
+    /// Downloads from it in flight.
+    downloads: mirror::Downloads,
     /// Retention of user snapshots: (newest kept, days kept; 0: no limit).
     retention: (u32, u32),
 }
@@ -424,13 +426,6 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             Ok(()) => "--lab was given",
             Err(e) => e.as_str(),
         };
-        if args.store.s3_endpoint.is_some() {
-            return Err(DaemonError::Insecure(
-                "--s3-endpoint is not served from the emulated lab yet (its network reaches \
-                 nothing outside it): run sproutd with --no-lab for the snapshot store's mirror"
-                    .into(),
-            ));
-        }
         return lab::serve(&args, &data_dir, why);
     }
     let mut registry = Registry::open(&data_dir.join("registry.db"))?;
@@ -457,6 +452,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         tenants,
         slots: Default::default(),
         mirror,
+        downloads: Default::default(),
         retention: (args.store.keep_snapshots, args.store.keep_days),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -105,9 +105,12 @@ const MIGRATIONS: &[&str] = &[
     UPDATE snapshots SET tenant = '' WHERE kind = 'template';
     CREATE INDEX sandboxes_by_tenant ON sandboxes(tenant, state);
     "#,
-    // 4: the snapshot store's mirror: when a snapshot was uploaded whole.
+    // 4: the snapshot store's mirror: when a snapshot was uploaded whole,
+    // and whether it came from another node's archive (whose objects this
+    // node never deletes).
     r#"
     ALTER TABLE snapshots ADD COLUMN uploaded_ms INTEGER;
+    ALTER TABLE snapshots ADD COLUMN imported INTEGER NOT NULL DEFAULT 0;
     "#,
 ];
 
@@ -335,6 +338,9 @@ pub struct SnapshotRow {
     /// When it was uploaded whole to the object store (none: not yet, or
     /// no store).
     pub uploaded_ms: Option<u64>,
+    /// Recorded from another node's archive record: its objects are not
+    /// this node's to delete.
+    pub imported: bool,
 }
 
 /// Where a template's build is.
@@ -538,6 +544,22 @@ impl Registry {
         Ok(out)
     }
 
+    /// Marks the snapshots of `snap`'s chain as not this node's to delete
+    /// from the object store (another node took over what builds on them).
+    pub fn disown_chain(&self, snap: Uuid) -> Result<(), RegistryError> {
+        let mut next = Some(snap);
+        let mut n = 0;
+        while let (Some(id), true) = (next, n <= vmm::MAX_CHAIN_DEPTH + 1) {
+            self.conn.execute(
+                "UPDATE snapshots SET imported = 1 WHERE id = ?1",
+                [id.to_string()],
+            )?;
+            next = self.get_snapshot(id)?.and_then(|s| s.parent_id);
+            n += 1;
+        }
+        Ok(())
+    }
+
     /// Records that snapshot `id` is in the object store.
     pub fn set_uploaded(&self, id: Uuid, at_ms: u64) -> Result<bool, RegistryError> {
         let n = self.conn.execute(
@@ -549,9 +571,10 @@ impl Registry {
 
     /// The user snapshots of `vm` that retention deletes: all but the
     /// newest `keep` (0: no limit), and any taken before `before_ms` (0: no
-    /// limit); never one that a checkpoint, a template or a sleeping
-    /// sandbox's snapshot builds on, nor one a sandbox was made from (or
-    /// builds on through it).
+    /// limit); never one that a checkpoint, a template or an archived
+    /// sandbox builds on, nor one a sandbox was made from (or builds on
+    /// through it). (One a sleeping sandbox builds on may go: its files
+    /// stay while anything builds on them.)
     pub fn retention_victims(
         &self,
         vm: Uuid,
@@ -574,16 +597,17 @@ impl Registry {
             }
         };
         for s in &all {
-            if matches!(
-                s.kind,
-                SnapshotKind::Checkpoint | SnapshotKind::Template | SnapshotKind::Rest
-            ) {
+            if matches!(s.kind, SnapshotKind::Checkpoint | SnapshotKind::Template) {
                 protect(Some(s.id));
             }
         }
         for sb in self.list_sandboxes()? {
+            // What a sandbox was made from (a fork's children: "a live
+            // child's layers"), and what an archive is made of.
             protect(sb.snapshot_id);
-            protect(sb.rest_snapshot_id);
+            if sb.state == State::Archived {
+                protect(sb.rest_snapshot_id);
+            }
         }
         let mut mine: Vec<&SnapshotRow> = all
             .iter()
@@ -759,28 +783,45 @@ impl Registry {
     }
 
     /// Records an archived sandbox from another node and the snapshots of
-    /// its chain (those not known here), in one write.
+    /// its chain (those not known here), in one write; `Ok(Err(why))` (and
+    /// nothing recorded) if a snapshot of the chain is known here as
+    /// another tenant's, or the sandbox's id is taken.
     pub fn import_archived(
         &mut self,
         s: &Sandbox,
         chain: &[SnapshotRow],
-    ) -> Result<(), RegistryError> {
+    ) -> Result<Result<(), String>, RegistryError> {
         let tx = self.conn.transaction()?;
+        let taken: i64 = tx.query_row(
+            "SELECT COUNT(*) FROM sandboxes WHERE id = ?1",
+            [s.id.to_string()],
+            |r| r.get(0),
+        )?;
+        if taken > 0 {
+            return Ok(Err(format!("a sandbox {} is recorded here already", s.id)));
+        }
         for c in chain {
-            let known: bool = tx
+            let known: Option<String> = tx
                 .query_row(
-                    "SELECT COUNT(*) FROM snapshots WHERE id = ?1",
+                    "SELECT tenant FROM snapshots WHERE id = ?1",
                     [c.id.to_string()],
-                    |r| r.get::<_, i64>(0),
+                    |r| r.get(0),
                 )
-                .map(|n| n > 0)?;
-            if !known {
-                insert_snapshot_in(&tx, c)?;
+                .optional()?;
+            match known {
+                None => insert_snapshot_in(&tx, c)?,
+                Some(t) if t == c.tenant => {}
+                Some(_) => {
+                    return Ok(Err(format!(
+                        "snapshot {} of its chain is another tenant's here",
+                        c.id
+                    )))
+                }
             }
         }
         insert_sandbox_in(&tx, s)?;
         tx.commit()?;
-        Ok(())
+        Ok(Ok(()))
     }
 
     /// Records where a sandbox's worker is; false if there is no such sandbox.
@@ -946,8 +987,9 @@ fn insert_sandbox_in(conn: &Connection, s: &Sandbox) -> Result<(), RegistryError
 fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), RegistryError> {
     conn.execute(
         "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
-            memory_mb, env, size_bytes, created_ms, diff, tenant, uploaded_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+            memory_mb, env, size_bytes, created_ms, diff, tenant, uploaded_ms, imported)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+            ?17)",
         params![
             s.id.to_string(),
             s.vm_id.map(|u| u.to_string()),
@@ -965,6 +1007,7 @@ fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), Registry
             s.parent_id.is_some(),
             s.tenant,
             s.uploaded_ms.map(|u| u as i64),
+            s.imported,
         ],
     )?;
     Ok(())
@@ -975,7 +1018,7 @@ const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle
     failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname, tenant";
 
 const SNAP_COLUMNS: &str = "id, vm_id, name, dir, kind, parent_id, depth, image, cpus, memory_mb, \
-    env, size_bytes, created_ms, tenant, uploaded_ms";
+    env, size_bytes, created_ms, tenant, uploaded_ms, imported";
 
 fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryError>> {
     let id: String = r.get(0)?;
@@ -993,8 +1036,10 @@ fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryErr
     let created: i64 = r.get(12)?;
     let tenant: String = r.get(13)?;
     let uploaded: Option<i64> = r.get(14)?;
+    let imported: bool = r.get(15)?;
     Ok((|| {
         Ok(SnapshotRow {
+            imported,
             uploaded_ms: uploaded.map(|u| u.max(0) as u64),
             id: Uuid::parse_str(&id)
                 .map_err(|_| RegistryError::BadRow(format!("snapshot id {id:?}")))?,
@@ -1113,6 +1158,7 @@ mod tests {
         SnapshotRow {
             tenant: "t".into(),
             uploaded_ms: None,
+            imported: false,
             id: Uuid::new_v4(),
             vm_id: None,
             name: None,

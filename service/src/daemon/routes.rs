@@ -846,7 +846,7 @@ struct Deleted {
     deleted: bool,
 }
 
-errors!(DeleteVmErrors = [VmNotFound, InvalidState, WorkerFailed]);
+errors!(DeleteVmErrors = [VmNotFound, InvalidState, WorkerFailed, StoreFailed]);
 
 /// Delete a sandbox
 ///
@@ -887,6 +887,24 @@ async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
             s.state.as_str(),
             format!("Sandbox {vm} is starting: delete it once it runs or fails"),
         ));
+    }
+    if let (VmState::Archived, Some(m), Some(rest)) =
+        (s.state, app.mirror.as_ref(), s.rest_snapshot_id)
+    {
+        // Its record goes first: no node may bring back what is deleted.
+        // If the record is gone, another node unarchived it and runs it
+        // on these objects: they are that node's now, not deleted here.
+        let here = m
+            .get_archive(&s.tenant, vm)
+            .await
+            .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
+        match here {
+            Some(_) => m
+                .delete_archive(&s.tenant, vm)
+                .await
+                .map_err(|e| ApiError::new(Code::StoreFailed, e))?,
+            None => app.db(move |r| r.disown_chain(rest)).await?,
+        }
     }
     app.db(move |r| r.set_state(vm, VmState::Stopping, None))
         .await?;

@@ -235,6 +235,7 @@ impl App {
                 size_bytes: w.size_bytes,
                 created_ms: now_ms(),
                 uploaded_ms: None,
+                imported: false,
             };
             // The snapshot and the ready template in one write: garbage
             // collection never sees the one without the other.

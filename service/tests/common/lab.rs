@@ -43,6 +43,17 @@ impl Hosted {
 
     /// `sproutd --lab` with `mib` of lab RAM and `extra` arguments.
     pub fn start_with(lab: &Path, data_dir: &Path, mib: u32, extra: &[&str]) -> Hosted {
+        Self::start_env(lab, data_dir, mib, extra, &[])
+    }
+
+    /// With `envs` set in its environment too.
+    pub fn start_env(
+        lab: &Path,
+        data_dir: &Path,
+        mib: u32,
+        extra: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Hosted {
         std::fs::create_dir_all(data_dir).unwrap();
         let log = std::fs::File::create(data_dir.with_extension("log")).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_sproutd"))
@@ -58,6 +69,7 @@ impl Hosted {
             .arg("--data-dir")
             .arg(data_dir)
             .env("SPROUT_LAB", lab)
+            .envs(envs.iter().copied())
             .stdout(Stdio::piped())
             .stderr(log)
             .spawn()

@@ -33,13 +33,13 @@ fn row(label: &str, name: &str, v: Vec<Duration>) {
     super::row(&format!("{label}{name}"), v);
 }
 
-struct Api {
-    http: reqwest::blocking::Client,
-    base: String,
+pub(super) struct Api {
+    pub(super) http: reqwest::blocking::Client,
+    pub(super) base: String,
 }
 
 impl Api {
-    fn post(&self, path: &str, body: Value) -> anyhow::Result<Value> {
+    pub(super) fn post(&self, path: &str, body: Value) -> anyhow::Result<Value> {
         let r = self
             .http
             .post(format!("{}{path}", self.base))
@@ -54,7 +54,7 @@ impl Api {
         Ok(v)
     }
 
-    fn exec_true(&self, id: &str) -> anyhow::Result<()> {
+    pub(super) fn exec_true(&self, id: &str) -> anyhow::Result<()> {
         let v = self.post(
             &format!("/v1/runtime/vms/{id}/exec"),
             json!({"command": "true"}),
@@ -67,7 +67,7 @@ impl Api {
 
     /// A create; while the template is built (`503 template_building`),
     /// retried after the `Retry-After` it says.
-    fn create(&self, image: &str) -> anyhow::Result<String> {
+    pub(super) fn create(&self, image: &str) -> anyhow::Result<String> {
         let body =
             json!({"image": image, "cpus": 1, "memoryMb": 256, "metadata": {"bench": "api"}});
         let t = Instant::now();
@@ -98,7 +98,7 @@ impl Api {
         }
     }
 
-    fn rest(&self, id: &str, what: &str, body: Value) -> anyhow::Result<Value> {
+    pub(super) fn rest(&self, id: &str, what: &str, body: Value) -> anyhow::Result<Value> {
         self.post(&format!("/v1/runtime/vms/{id}/{what}"), body)
     }
 
@@ -140,7 +140,7 @@ impl Api {
         Ok(took)
     }
 
-    fn delete(&self, id: &str) -> anyhow::Result<()> {
+    pub(super) fn delete(&self, id: &str) -> anyhow::Result<()> {
         let r = self
             .http
             .delete(format!("{}/v1/runtime/vms/{id}", self.base))

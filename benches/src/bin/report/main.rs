@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
     let json = std::env::args().any(|a| a == "--json");
     let mut pos = std::env::args().skip(1).filter(|a| a != "--json");
     let what = pos.next().unwrap_or_else(|| "all".into());
-    let runs: Option<usize> = if what == "api" {
+    let runs: Option<usize> = if what == "api" || what == "archive" {
         None
     } else {
         pos.next().map(|s| s.parse()).transpose()?
@@ -99,6 +99,13 @@ fn main() -> anyhow::Result<()> {
         };
         api::run(&rest, runs)?;
     }
+    if what == "archive" {
+        // report archive URL [RUNS]
+        let rest: Vec<String> = std::env::args().skip(2).filter(|a| a != "--json").collect();
+        let url = anyhow::Context::context(rest.first(), "report archive URL [RUNS]")?;
+        let runs = rest.get(1).map(|r| r.parse()).transpose()?.unwrap_or(5);
+        archive::run(url, runs)?;
+    }
     if json {
         println!();
         for l in JSON.lock().unwrap_or_else(|p| p.into_inner()).iter() {
@@ -109,6 +116,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 mod api;
+mod archive;
 mod fork;
 mod snapshots;
 mod workers;
