@@ -335,3 +335,84 @@ async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
         .await
         .contains(&format!("default/{vm}/archive.json")));
 }
+
+/// An archive frees its tenant's slot; an unarchive needs one (402 when
+/// none is free, and it stays archived).
+#[tokio::test]
+async fn archive_frees_a_slot_and_unarchive_needs_one() {
+    let (_t, dir) = data_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .arg("--new-key")
+        .output()
+        .unwrap();
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let err = String::from_utf8(out.stderr).unwrap();
+    let line = err
+        .split("keys = [")
+        .nth(1)
+        .unwrap()
+        .split(']')
+        .next()
+        .unwrap();
+    let file = dir.with_extension("tenants.toml");
+    std::fs::write(
+        &file,
+        format!("[[tenant]]\nname = \"one\"\nslots = 1\nkeys = [{line}]\n"),
+    )
+    .unwrap();
+    let s3 = S3::start(0).await;
+    let ep = s3.endpoint();
+    let d = Daemon::start_env(
+        &dir,
+        &[
+            "--s3-endpoint",
+            &ep,
+            "--s3-bucket",
+            BUCKET,
+            "--tenants",
+            file.to_str().unwrap(),
+        ],
+        &CREDS,
+    );
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert("x-api-key", key.parse().unwrap());
+    let c = Client::builder().default_headers(h).build().unwrap();
+    let tg = json!({"image": "testguest", "cpus": 1, "memoryMb": 128});
+    let (v1, _) = schedule_testguest(&c, &d).await;
+    let r = post(&c, &d, "/v1/runtime/schedule", tg.clone()).await;
+    assert_error(r, StatusCode::PAYMENT_REQUIRED, "quota_exhausted").await;
+    let r = post(&c, &d, &format!("/v1/runtime/vms/{v1}/archive"), json!({})).await;
+    assert_eq!(r.status(), 200);
+    let (v2, _) = schedule_testguest(&c, &d).await;
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{v1}/unarchive"),
+        json!({}),
+    )
+    .await;
+    assert_error(r, StatusCode::PAYMENT_REQUIRED, "quota_exhausted").await;
+    assert_eq!(
+        get(&c, &d, &format!("/v1/runtime/vms/{v1}")).await["state"],
+        "archived"
+    );
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{v2}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{v1}/unarchive"),
+        json!({}),
+    )
+    .await;
+    let st = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["state"], "running");
+    assert_eq!(vsock_echo(&uds(&d, &v1), b"one"), b"one");
+}
