@@ -54,12 +54,14 @@ async fn appears(c: &Client, h: &Hosted, vm: &str, path: &str) -> Vec<u8> {
 
 /// A program that draws a random token once, keeps it only in its memory,
 /// and writes it to /workspace/tok again and again.
-const KEEPER: &str = "import os, time\n\
-t = os.urandom(8).hex()\n\
-while True:\n\
-    open('/workspace/tok.tmp', 'w').write(t)\n\
-    os.replace('/workspace/tok.tmp', '/workspace/tok')\n\
-    time.sleep(0.3)\n";
+const KEEPER: &str = concat!(
+    "import os, time\n",
+    "t = os.urandom(8).hex()\n",
+    "while True:\n",
+    "    open('/workspace/tok.tmp', 'w').write(t)\n",
+    "    os.replace('/workspace/tok.tmp', '/workspace/tok')\n",
+    "    time.sleep(0.3)\n",
+);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_linux_sandbox_archived_on_node_a_comes_back_on_node_b() {

@@ -95,35 +95,11 @@ async fn snapshots_go_to_the_object_store_and_come_back_from_it() {
         Daemon::log(&dir)
     );
 
-    // Gone again, and its memory corrupted in the store (same size): it
+    // Gone again, and its device state corrupted in the store (same size): it
     // does not verify, so no sandbox is made of it, and nothing is left.
     std::fs::remove_dir_all(&local).unwrap();
-    let mem_key = keys
-        .iter()
-        .find(|k| {
-            let n = k.rsplit('/').next().unwrap();
-            n != "manifest.json" && n != "state.bin" && n != "complete.json"
-        })
-        .unwrap()
-        .clone();
-    let body = Client::new()
-        .get(s3.url(&format!("{BUCKET}/{mem_key}")))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
-    let mut bad = body.to_vec();
-    let mid = bad.len() / 2;
-    bad[mid] ^= 0x5a;
-    let r = Client::new()
-        .put(s3.url(&format!("{BUCKET}/{mem_key}")))
-        .body(bad)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success());
+    let mem_key = format!("default/{vm}/{a}/state.bin");
+    s3.corrupt(&mem_key);
     let r = post(&c, &d, "/v1/runtime/schedule", json!({"snapshot": a})).await;
     let m = assert_error(r, StatusCode::BAD_GATEWAY, "snapshot_failed").await;
     assert!(m.contains("does not verify"), "{m}");

@@ -78,7 +78,94 @@ struct Complete {
 #[serde(deny_unknown_fields)]
 struct Entry {
     name: String,
+    /// The file's length (holes included).
     size: u64,
+    /// Its object's bytes: see [`pack_header`].
+    stored: u64,
+}
+
+/// How each file's object begins: `PACK_MAGIC`, the file's length and the
+/// number of its data extents (u64 little-endian each), then each extent's
+/// offset and length, then the extents' bytes in order. A sparse file (a
+/// memory layer is its RAM's size, its zero pages holes) costs what it
+/// holds, and comes back as sparse.
+const PACK_MAGIC: &[u8; 8] = b"SPRXPAK1";
+/// A download's extents, the one being written, and how much of it is.
+type Plan = (Vec<(u64, u64)>, usize, u64);
+
+/// Most extents one file's object may list.
+const MAX_EXTENTS: u64 = 1 << 21;
+
+/// The data extents of `f` (`(offset, length)`, in order), by SEEK_DATA and
+/// SEEK_HOLE.
+fn extents(f: &std::fs::File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+    use rustix::fs::{seek, SeekFrom};
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off < len {
+        let data = match seek(f, SeekFrom::Data(off)) {
+            Ok(d) => d,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        if data >= len {
+            break;
+        }
+        let hole = seek(f, SeekFrom::Hole(data))?.min(len);
+        out.push((data, hole - data));
+        off = hole;
+    }
+    Ok(out)
+}
+
+fn pack_header(len: u64, ext: &[(u64, u64)]) -> Vec<u8> {
+    let mut h = Vec::with_capacity(24 + 16 * ext.len());
+    h.extend_from_slice(PACK_MAGIC);
+    h.extend_from_slice(&len.to_le_bytes());
+    h.extend_from_slice(&(ext.len() as u64).to_le_bytes());
+    for (o, l) in ext {
+        h.extend_from_slice(&o.to_le_bytes());
+        h.extend_from_slice(&l.to_le_bytes());
+    }
+    h
+}
+
+/// Parses a pack header from the start of `b`: the extents and the
+/// header's length, `None` if `b` is too short yet, or why it is bad.
+type Extents = (Vec<(u64, u64)>, usize);
+
+fn parse_pack_header(b: &[u8], size: u64) -> Result<Option<Extents>, String> {
+    let u = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]));
+    if b.len() < 24 {
+        return Ok(None);
+    }
+    if &b[..8] != PACK_MAGIC {
+        return Err("it is not a packed file".into());
+    }
+    if u(8) != size {
+        return Err(format!("it says {} bytes, its entry {size}", u(8)));
+    }
+    let n = u(16);
+    if n > MAX_EXTENTS {
+        return Err(format!("it lists {n} extents, over {MAX_EXTENTS}"));
+    }
+    let end = 24 + 16 * n as usize;
+    if b.len() < end {
+        return Ok(None);
+    }
+    let mut ext = Vec::with_capacity(n as usize);
+    let mut at = 0u64;
+    for i in 0..n as usize {
+        let (o, l) = (u(24 + 16 * i), u(32 + 16 * i));
+        if o < at || l == 0 || o.checked_add(l).is_none_or(|e| e > size) {
+            return Err(format!(
+                "its extent {i} ({o}, {l}) is out of order or range"
+            ));
+        }
+        at = o + l;
+        ext.push((o, l));
+    }
+    Ok(Some((ext, end)))
 }
 
 /// An archived sandbox, as `<tenant>/<vm>/archive.json` holds it: what
@@ -337,26 +424,28 @@ impl Mirror {
     /// Uploads the snapshot in `row.dir`; its bytes.
     async fn upload(&self, row: &SnapshotRow) -> Result<u64, String> {
         let prefix = Self::prefix(row);
-        let mut files = Vec::new();
+        let mut names = Vec::new();
         let rd = std::fs::read_dir(&row.dir)
             .map_err(|e| format!("Cannot read {}: {e}", row.dir.display()))?;
         for e in rd {
             let e = e.map_err(|e| format!("Cannot read {}: {e}", row.dir.display()))?;
             let name = e.file_name().to_string_lossy().into_owned();
             let meta = e.metadata().map_err(|e| format!("{name}: {e}"))?;
-            if name == snapshot::format::seal::SEAL_FILE || !meta.is_file() {
+            // Only the snapshot's own files (not the local seal, nothing
+            // hidden): what a download accepts.
+            if name.starts_with('.') || !meta.is_file() {
                 continue;
             }
-            files.push(Entry {
-                name,
-                size: meta.len(),
-            });
+            names.push(name);
         }
-        files.sort_by(|a, b| a.name.cmp(&b.name));
+        names.sort();
+        let mut files = Vec::new();
         let mut total = 0;
-        for f in &files {
-            let key = Key::from(format!("{prefix}/{}", f.name));
-            total += self.put_file(&row.dir.join(&f.name), &key).await?;
+        for name in names {
+            let key = Key::from(format!("{prefix}/{name}"));
+            let (size, stored) = self.put_file(&row.dir.join(&name), &key).await?;
+            total += stored;
+            files.push(Entry { name, size, stored });
         }
         let complete = Complete {
             snapshot: row.id,
@@ -370,54 +459,75 @@ impl Mirror {
         Ok(total)
     }
 
-    /// Sends one file (in parts when large); its bytes.
-    async fn put_file(&self, path: &Path, key: &Key) -> Result<u64, String> {
-        use tokio::io::AsyncReadExt as _;
+    /// Sends one file packed (its data extents only; in parts when
+    /// large); its length and its object's bytes.
+    async fn put_file(&self, path: &Path, key: &Key) -> Result<(u64, u64), String> {
+        use tokio::io::{AsyncReadExt as _, AsyncSeekExt as _};
         let err = |e: &dyn std::error::Error| format!("Cannot upload {key}: {}", chain(e));
-        let mut f = tokio::fs::File::open(path)
-            .await
-            .map_err(|e| format!("Cannot read {}: {e}", path.display()))?;
-        let len = f.metadata().await.map(|m| m.len()).unwrap_or(0);
-        if len <= CHUNK as u64 {
-            let mut buf = Vec::with_capacity(len as usize);
-            f.read_to_end(&mut buf)
-                .await
-                .map_err(|e| format!("Cannot read {}: {e}", path.display()))?;
-            let n = buf.len() as u64;
+        let rerr = |e: std::io::Error| format!("Cannot read {}: {e}", path.display());
+        let std_file = std::fs::File::open(path).map_err(rerr)?;
+        let len = std_file.metadata().map_err(rerr)?.len();
+        let (std_file, ext) = tokio::task::spawn_blocking(move || {
+            let e = extents(&std_file, len);
+            (std_file, e)
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+        let ext = ext.map_err(rerr)?;
+        let header = pack_header(len, &ext);
+        let data: u64 = ext.iter().map(|(_, l)| l).sum();
+        let stored = header.len() as u64 + data;
+        let mut f = tokio::fs::File::from_std(std_file);
+        if stored <= CHUNK as u64 {
+            let mut buf = header;
+            for (o, l) in &ext {
+                f.seek(std::io::SeekFrom::Start(*o)).await.map_err(rerr)?;
+                let at = buf.len();
+                buf.resize(at + *l as usize, 0);
+                f.read_exact(&mut buf[at..]).await.map_err(rerr)?;
+            }
             self.store
                 .put(key, PutPayload::from(buf))
                 .await
                 .map_err(|e| err(&e))?;
-            return Ok(n);
+            return Ok((len, stored));
         }
         let up = self.store.put_multipart(key).await.map_err(|e| err(&e))?;
         let mut w = WriteMultipart::new_with_chunk_size(up, CHUNK);
-        let mut total = 0u64;
+        w.write(&header);
         let mut buf = vec![0u8; CHUNK];
-        loop {
-            let n = match f.read(&mut buf).await {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) => {
-                    let _ = w.abort().await;
-                    return Err(format!("Cannot read {}: {e}", path.display()));
-                }
+        for (o, l) in &ext {
+            let read = async {
+                f.seek(std::io::SeekFrom::Start(*o)).await?;
+                Ok::<_, std::io::Error>(())
             };
-            if let Err(e) = w.wait_for_capacity(4).await {
+            if let Err(e) = read.await {
                 let _ = w.abort().await;
-                return Err(err(&e));
+                return Err(rerr(e));
             }
-            w.write(&buf[..n]);
-            total += n as u64;
+            let mut left = *l;
+            while left > 0 {
+                let n = left.min(CHUNK as u64) as usize;
+                if let Err(e) = f.read_exact(&mut buf[..n]).await {
+                    let _ = w.abort().await;
+                    return Err(rerr(e));
+                }
+                if let Err(e) = w.wait_for_capacity(4).await {
+                    let _ = w.abort().await;
+                    return Err(err(&e));
+                }
+                w.write(&buf[..n]);
+                left -= n as u64;
+            }
         }
         w.finish().await.map_err(|e| err(&e))?;
-        Ok(total)
+        Ok((len, stored))
     }
 
     /// Downloads `row`'s snapshot into `tmp` (made here, beside its
     /// directory); its bytes.
     async fn download(&self, row: &SnapshotRow, tmp: &Path) -> Result<u64, String> {
-        use tokio::io::AsyncWriteExt as _;
+        use tokio::io::{AsyncSeekExt as _, AsyncWriteExt as _};
         let prefix = Self::prefix(row);
         let got = self
             .store
@@ -448,9 +558,11 @@ impl Mirror {
             }
             let key = Key::from(format!("{prefix}/{}", f.name));
             let path = tmp.join(&f.name);
-            let mut out = tokio::fs::File::create(&path)
-                .await
-                .map_err(|e| format!("Cannot create {}: {e}", path.display()))?;
+            let werr = |e: std::io::Error| format!("Cannot write {}: {e}", path.display());
+            let out = tokio::fs::File::create(&path).await.map_err(werr)?;
+            // Holes stay holes: only the extents are written.
+            out.set_len(f.size).await.map_err(werr)?;
+            let mut out = out;
             let mut s = self
                 .store
                 .get(&key)
@@ -458,22 +570,59 @@ impl Mirror {
                 .map_err(|e| format!("Cannot download {key}: {}", chain(&e)))?
                 .into_stream();
             let mut got = 0u64;
+            let mut head: Vec<u8> = Vec::new();
+            // Once the header is read: the extents, the one being written,
+            // and how much of it is.
+            let mut plan: Option<Plan> = None;
             while let Some(chunk) = s.next().await {
                 let chunk = chunk.map_err(|e| format!("Cannot download {key}: {}", chain(&e)))?;
                 got += chunk.len() as u64;
-                if got > f.size {
-                    return Err(format!("{key} is longer than its {} bytes", f.size));
+                if got > f.stored {
+                    return Err(format!("{key} is longer than its {} bytes", f.stored));
                 }
-                out.write_all(&chunk)
-                    .await
-                    .map_err(|e| format!("Cannot write {}: {e}", path.display()))?;
+                let mut rest: &[u8] = &chunk;
+                if plan.is_none() {
+                    head.extend_from_slice(rest);
+                    match parse_pack_header(&head, f.size).map_err(|e| format!("{key}: {e}"))? {
+                        None => continue,
+                        Some((ext, end)) => {
+                            let data: u64 = ext.iter().map(|(_, l)| l).sum();
+                            if end as u64 + data != f.stored {
+                                return Err(format!("{key}: its extents do not fill it"));
+                            }
+                            let tail = head.split_off(end);
+                            plan = Some((ext, 0, 0));
+                            head = tail;
+                            rest = &head;
+                        }
+                    }
+                }
+                let Some((ext, i, done)) = plan.as_mut() else {
+                    continue;
+                };
+                let mut rest = rest.to_vec();
+                while !rest.is_empty() {
+                    let Some(&(o, l)) = ext.get(*i) else {
+                        return Err(format!("{key}: more bytes than its extents"));
+                    };
+                    let n = (l - *done).min(rest.len() as u64) as usize;
+                    out.seek(std::io::SeekFrom::Start(o + *done))
+                        .await
+                        .map_err(werr)?;
+                    out.write_all(&rest[..n]).await.map_err(werr)?;
+                    *done += n as u64;
+                    if *done == l {
+                        *i += 1;
+                        *done = 0;
+                    }
+                    rest.drain(..n);
+                }
+                head.clear();
             }
-            if got != f.size {
-                return Err(format!("{key} is {got} bytes, not {}", f.size));
+            if got != f.stored || plan.as_ref().is_none_or(|(e, i, _)| *i != e.len()) {
+                return Err(format!("{key} is {got} bytes, not {}", f.stored));
             }
-            out.sync_all()
-                .await
-                .map_err(|e| format!("Cannot write {}: {e}", path.display()))?;
+            out.sync_all().await.map_err(werr)?;
             total += got;
         }
         Ok(total)
@@ -798,5 +947,52 @@ impl App {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt as _;
+
+    #[test]
+    fn a_sparse_file_packs_to_its_extents_and_the_header_is_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("mem");
+        let f = std::fs::File::create(&p).unwrap();
+        let size = 64 << 20;
+        f.set_len(size).unwrap();
+        f.write_all_at(&[1u8; 4096], 1 << 20).unwrap();
+        f.write_all_at(&[2u8; 8192], 40 << 20).unwrap();
+        f.sync_all().unwrap();
+        let ext = extents(&f, size).unwrap();
+        let data: u64 = ext.iter().map(|(_, l)| l).sum();
+        assert!(!ext.is_empty() && data < 1 << 20, "{ext:?}");
+        assert!(ext
+            .iter()
+            .any(|(o, l)| *o <= 1 << 20 && o + l >= (1 << 20) + 4096));
+        let h = pack_header(size, &ext);
+        let (back, end) = parse_pack_header(&h, size).unwrap().unwrap();
+        assert_eq!((back, end), (ext.clone(), h.len()));
+        // Too short yet, then wrong in each way.
+        assert!(parse_pack_header(&h[..10], size).unwrap().is_none());
+        assert!(parse_pack_header(&h[..h.len() - 1], size)
+            .unwrap()
+            .is_none());
+        assert!(parse_pack_header(&h, size + 1).is_err());
+        let mut bad = h.clone();
+        bad[0] ^= 1;
+        assert!(parse_pack_header(&bad, size).is_err());
+        let beyond = pack_header(size, &[(size - 10, 20)]);
+        assert!(parse_pack_header(&beyond, size).is_err());
+        let backwards = pack_header(size, &[(8192, 4096), (0, 4096)]);
+        assert!(parse_pack_header(&backwards, size).is_err());
+        let many = [
+            PACK_MAGIC.as_slice(),
+            &size.to_le_bytes(),
+            &u64::MAX.to_le_bytes(),
+        ]
+        .concat();
+        assert!(parse_pack_header(&many, size).is_err());
     }
 }

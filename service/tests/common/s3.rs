@@ -55,7 +55,16 @@ impl S3 {
             }
         }
         // Its requests' log: read on, so that a full pipe never stops it.
-        std::thread::spawn(move || for _ in err.lines() {});
+        let log = std::env::temp_dir().join(format!("moto-{port}.log"));
+        std::thread::spawn(move || {
+            use std::io::Write as _;
+            let mut f = std::fs::File::create(log).ok();
+            for l in err.lines().map_while(Result::ok) {
+                if let Some(f) = f.as_mut() {
+                    let _ = writeln!(f, "{l}");
+                }
+            }
+        });
         let s = S3 { child, port };
         let r = Client::new().put(s.url(BUCKET)).send().await.unwrap();
         assert!(r.status().is_success(), "make the bucket: {}", r.status());
@@ -85,6 +94,30 @@ impl S3 {
             .filter_map(|k| k.split("</Key>").next())
             .map(str::to_owned)
             .collect()
+    }
+
+    /// Flips the last byte of object `key` (through boto3, from moto's
+    /// venv: the server wants signed requests for what sproutd wrote).
+    pub fn corrupt(&self, key: &str) {
+        let py = moto().with_file_name("python3");
+        let script = format!(
+            "import boto3\n\
+             s3 = boto3.client('s3', endpoint_url='{}', region_name='us-east-1',\n\
+                 aws_access_key_id='{}', aws_secret_access_key='{}')\n\
+             b = bytearray(s3.get_object(Bucket='{BUCKET}', Key='{key}')['Body'].read())\n\
+             assert b\n\
+             b[-1] ^= 0x5a\n\
+             s3.put_object(Bucket='{BUCKET}', Key='{key}', Body=bytes(b))\n",
+            self.endpoint(),
+            CREDS[0].1,
+            CREDS[1].1
+        );
+        let out = Command::new(py).arg("-c").arg(script).output().unwrap();
+        assert!(
+            out.status.success(),
+            "corrupting {key}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     pub fn stop(mut self) -> u16 {

@@ -24,12 +24,14 @@ open('/workspace/held', 'w').write(str(os.getpid()))\n\
 time.sleep(86400)\n";
 
 /// 64 MiB of random bytes to the sandbox's disk, fsynced.
-const WRITER: &str = "import random, os\n\
-f = open('/workspace/disk.bin', 'wb')\n\
-for _ in range(64):\n\
-    f.write(random.randbytes(1 << 20))\n\
-f.flush(); os.fsync(f.fileno())\n\
-print(os.path.getsize('/workspace/disk.bin'))\n";
+const WRITER: &str = concat!(
+    "import random, os\n",
+    "f = open('/workspace/disk.bin', 'wb')\n",
+    "for _ in range(64):\n",
+    "    f.write(random.randbytes(1 << 20))\n",
+    "f.flush(); os.fsync(f.fileno())\n",
+    "print(os.path.getsize('/workspace/disk.bin'))\n",
+);
 
 pub fn run(url: &str, runs: usize) -> anyhow::Result<()> {
     let api = Api {
