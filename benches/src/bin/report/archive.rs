@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::json;
 
 use super::api::Api;
@@ -47,7 +47,9 @@ pub fn run(url: &str, runs: usize) -> anyhow::Result<()> {
             &format!("/v1/runtime/vms/{id}/exec"),
             json!({"command": "python3", "argv": ["-c", HOLDER], "background": true}),
         )?;
-        v["execId"].as_str().context("no execId")?;
+        if v["execId"].is_null() {
+            bail!("no execId: {v}");
+        }
         let t = Instant::now();
         loop {
             let v = api.post(
