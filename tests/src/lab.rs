@@ -27,6 +27,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 const LAB_TIMEOUT: i32 = 124;
 const LAB_BROKEN: i32 = 125;
 const LAB_LOCKUP: i32 = 126;
+/// The emulated machine froze: no heartbeat from the lab's kernel (run.sh
+/// dumps where its CPUs were; docs/architecture.md, issue 18).
+const LAB_FROZEN: i32 = 127;
 
 /// What a script printed inside the lab and how it ended.
 #[derive(Debug)]
@@ -105,15 +108,17 @@ impl Script {
         ensure_built(&root);
         let _slot = Slot::take();
         let first = self.run_once(&root);
-        if first.status != LAB_TIMEOUT && first.status != LAB_LOCKUP {
+        if ![LAB_TIMEOUT, LAB_LOCKUP, LAB_FROZEN].contains(&first.status) {
             return self.judge(first);
         }
         // The lab is an emulated machine running an emulated one; a run that
-        // hangs there, or whose outer kernel locks up, is retried once,
-        // loudly, and its console kept in the test's output. Twice is a failure.
+        // hangs there, whose outer kernel locks up, or whose whole emulated
+        // machine freezes (issue 18: the emulator's, not Sprout's), is
+        // retried once, loudly, and its console kept in the test's output.
+        // Twice is a failure.
         eprintln!(
-            "lab: the run hung or the lab's kernel locked up (status {}); retrying once. \
-             First attempt:\n--- output ---\n{}\n--- lab ---\n{}",
+            "lab: the run hung, the lab's kernel locked up or the emulated machine froze \
+             (status {}); retrying once. First attempt:\n--- output ---\n{}\n--- lab ---\n{}",
             first.status, first.stdout, first.stderr
         );
         let second = self.run_once(&root);
@@ -152,6 +157,11 @@ impl Script {
             ),
             LAB_LOCKUP => panic!(
                 "the lab's own kernel locked up\n--- output ---\n{}\n--- lab ---\n{}",
+                out.stdout, out.stderr
+            ),
+            LAB_FROZEN => panic!(
+                "the emulated machine froze (no heartbeat from the lab's kernel)\n--- output \
+                 ---\n{}\n--- lab ---\n{}",
                 out.stdout, out.stderr
             ),
             LAB_BROKEN => panic!(
