@@ -996,3 +996,31 @@ mod tests {
         assert!(parse_pack_header(&many, size).is_err());
     }
 }
+
+/// The parsers of what the object store gives back, for the `fuzz/` crate
+/// only: not an API.
+#[doc(hidden)]
+pub mod fuzzing {
+    use std::path::Path;
+
+    /// A packed file's header, as a download parses it.
+    #[allow(clippy::type_complexity)]
+    pub fn pack_header(b: &[u8], size: u64) -> Result<Option<(Vec<(u64, u64)>, usize)>, String> {
+        super::parse_pack_header(b, size)
+    }
+
+    /// An archive record, as an unarchive reads and imports it: the
+    /// number of snapshots it would record, if it holds together.
+    pub fn archive_rows(b: &[u8]) -> Option<usize> {
+        let rec: super::ArchiveRecord = serde_json::from_slice(b).ok()?;
+        let base = Path::new("/snapshots");
+        let (s, chain) = rec.rows(base)?;
+        assert_eq!(s.rest_snapshot_id, chain.last().map(|c| c.id));
+        for (i, c) in chain.iter().enumerate() {
+            assert!(c.dir.starts_with(base) && c.imported);
+            assert_eq!(c.depth as usize, i + 1);
+            assert!(c.tenant == s.tenant || c.tenant.is_empty());
+        }
+        Some(chain.len())
+    }
+}

@@ -42,6 +42,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use uuid::Uuid;
 
 pub use error::{chain as error_chain, ApiError, Code};
+#[doc(hidden)]
+pub use mirror::fuzzing as store_fuzzing;
 use registry::{Image, Registry, RegistryError, Sandbox, State};
 use supervisor::Supervisor;
 
