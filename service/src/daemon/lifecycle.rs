@@ -346,7 +346,7 @@ impl App {
         // back from the object store; if they cannot, the snapshot is full.
         let parent = match parent {
             Some(p) => match self.ensure_local(p.id).await {
-                Ok(()) => Some(p),
+                Ok(_) => Some(p),
                 Err(e) => {
                     tracing::warn!(vm = %s.id, "{e}: a full snapshot instead of a diff");
                     None
@@ -729,25 +729,6 @@ impl App {
         .await;
     }
 
-    /// The directories of `snap`'s chain, base first.
-    async fn chain_dirs(self: &Arc<Self>, snap: Uuid) -> Result<Vec<PathBuf>, ApiError> {
-        self.db(move |r| {
-            let mut out = Vec::new();
-            let mut next = Some(snap);
-            while let Some(id) = next {
-                let Some(s) = r.get_snapshot(id)? else { break };
-                out.push(s.dir);
-                next = s.parent_id;
-                if out.len() > vmm::MAX_CHAIN_DEPTH + 1 {
-                    break;
-                }
-            }
-            out.reverse();
-            Ok(out)
-        })
-        .await
-    }
-
     /// Wakes a sleeping (or, unless `sleeping_only`, hibernated) sandbox:
     /// restores its rest snapshot into a new worker. A hibernated one whose
     /// memory cannot be restored is booted from its saved disk instead.
@@ -803,10 +784,11 @@ impl App {
         snap: Uuid,
         hostname: Option<String>,
     ) -> Result<(), ApiError> {
-        self.ensure_local(snap)
+        // The chain's directories, each here (downloaded if it was not).
+        let chain = self
+            .ensure_local(snap)
             .await
             .map_err(|e| ApiError::new(Code::SnapshotFailed, e))?;
-        let chain = self.chain_dirs(snap).await?;
         let iid = vmm::new_instance_id();
         // The base image is the snapshot's only file outside it.
         let image: Vec<PathBuf> = self

@@ -842,9 +842,10 @@ impl App {
 
     /// Makes every snapshot of `snap`'s chain local: one whose directory
     /// is gone is downloaded from the mirror and verified whole (and
-    /// sealed) before it is used.
-    pub async fn ensure_local(self: &Arc<Self>, snap: Uuid) -> Result<(), String> {
+    /// sealed) before it is used. The chain's directories, base first.
+    pub async fn ensure_local(self: &Arc<Self>, snap: Uuid) -> Result<Vec<PathBuf>, String> {
         let rows = self.chain_rows(snap).await?;
+        let dirs = rows.iter().map(|r| r.dir.clone()).collect();
         let mut parent: Option<PathBuf> = None;
         for row in rows {
             let here = parent.replace(row.dir.clone());
@@ -922,7 +923,7 @@ impl App {
                 t.elapsed().as_millis()
             );
         }
-        Ok(())
+        Ok(dirs)
     }
 
     /// Deletes from the mirror the snapshots whose local files went.
