@@ -34,37 +34,6 @@ fn qemus_on(disk: &Path) -> Vec<u32> {
     out
 }
 
-/// A new API key and its SHA-256 (`sproutd --new-key`).
-fn new_key() -> (String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-        .arg("--new-key")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
-    let err = String::from_utf8(out.stderr).unwrap();
-    let sha = err
-        .split("sha256 = \"")
-        .nth(1)
-        .and_then(|r| r.split('"').next())
-        .unwrap_or_else(|| panic!("no sha256: {err}"))
-        .to_owned();
-    (key, sha)
-}
-
-fn keyed(key: &str) -> Client {
-    let mut h = reqwest::header::HeaderMap::new();
-    h.insert(
-        reqwest::header::AUTHORIZATION,
-        format!("Bearer {key}").parse().unwrap(),
-    );
-    Client::builder()
-        .default_headers(h)
-        .timeout(Duration::from_secs(600))
-        .build()
-        .unwrap()
-}
-
 fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let start = Instant::now();
     while !ok() {
@@ -173,14 +142,11 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     // (copied into the lab): its tenant `default` owns what single-tenant
     // mode made. The registry was kept on the data disk. The sandbox's VM
     // did not outlive the lab: failed, with the reason.
-    let key = new_key();
+    let key = common::new_key();
     let tenants = t.path().join("tenants.toml");
     let line = |revoked: bool| {
-        format!(
-            "[[tenant]]\nname = \"default\"\nmax_execs = 1\nkeys = [{{ sha256 = \"{}\", \
-             revoked = {revoked} }}]\n",
-            key.1
-        )
+        let k = key.1.replace(" }", &format!(", revoked = {revoked} }}"));
+        format!("[[tenant]]\nname = \"default\"\nmax_execs = 1\nkeys = [{k}]\n")
     };
     std::fs::write(&tenants, line(false)).unwrap();
     let tf = tenants.to_str().unwrap();
@@ -199,7 +165,7 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     );
     let r = c.get(h.url("/v1/runtime/vms")).send().await.unwrap();
     assert_eq!(r.status(), 401, "no key");
-    let c = keyed(&key.0);
+    let c = common::keyed(&key.0);
     let list: Value = c
         .get(h.url("/v1/runtime/vms?metadata.run=first"))
         .send()

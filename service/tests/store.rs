@@ -318,19 +318,7 @@ async fn a_sandbox_archived_on_one_node_is_unarchived_on_another() {
 async fn archive_frees_a_slot_and_unarchive_needs_one() {
     let (_t, dir) = data_dir();
     std::fs::create_dir_all(&dir).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sproutd"))
-        .arg("--new-key")
-        .output()
-        .unwrap();
-    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
-    let err = String::from_utf8(out.stderr).unwrap();
-    let line = err
-        .split("keys = [")
-        .nth(1)
-        .unwrap()
-        .split(']')
-        .next()
-        .unwrap();
+    let (key, line) = new_key();
     let file = dir.with_extension("tenants.toml");
     std::fs::write(
         &file,
@@ -351,9 +339,7 @@ async fn archive_frees_a_slot_and_unarchive_needs_one() {
         ],
         &CREDS,
     );
-    let mut h = reqwest::header::HeaderMap::new();
-    h.insert("x-api-key", key.parse().unwrap());
-    let c = Client::builder().default_headers(h).build().unwrap();
+    let c = keyed(&key);
     let tg = json!({"image": "testguest", "cpus": 1, "memoryMb": 128});
     let (v1, _) = schedule_testguest(&c, &d).await;
     let r = post(&c, &d, "/v1/runtime/schedule", tg.clone()).await;

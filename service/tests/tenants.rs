@@ -12,32 +12,6 @@ use std::time::{Duration, Instant};
 use reqwest::{Client, Method, StatusCode};
 use serde_json::{json, Value};
 
-/// A new API key and the SHA-256 line `sproutd --new-key` prints for it.
-fn new_key() -> (String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
-        .arg("--new-key")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
-    let err = String::from_utf8(out.stderr).unwrap();
-    let line = err
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("keys = [")?.strip_suffix(']'))
-        .unwrap_or_else(|| panic!("no keys line: {err}"))
-        .to_owned();
-    (key, line)
-}
-
-fn client(key: &str) -> Client {
-    let mut h = reqwest::header::HeaderMap::new();
-    h.insert(
-        reqwest::header::AUTHORIZATION,
-        format!("Bearer {key}").parse().unwrap(),
-    );
-    Client::builder().default_headers(h).build().unwrap()
-}
-
 async fn get(c: &Client, d: &Daemon, path: &str) -> Value {
     let r = c.get(d.url(path)).send().await.unwrap();
     let st = r.status();
@@ -118,7 +92,7 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
     )
     .unwrap();
     let d = Daemon::start_with(&dir, &["--tenants", file.to_str().unwrap()]);
-    let (a, b) = (client(&ka), client(&kb));
+    let (a, b) = (keyed(&ka), keyed(&kb));
 
     // Keys: none, wrong and revoked are 401 (saying which, and how to
     // authenticate); health and the document need none.
@@ -128,7 +102,7 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
     let m = assert_error(r, StatusCode::UNAUTHORIZED, "unauthorized").await;
     assert!(m.contains("Authorization: Bearer"), "{m}");
     for (k, why) in [("sk-sprout-wrong", "not known"), (krev.as_str(), "revoked")] {
-        let r = client(k).get(d.url("/v1/info")).send().await.unwrap();
+        let r = keyed(k).get(d.url("/v1/info")).send().await.unwrap();
         let m = assert_error(r, StatusCode::UNAUTHORIZED, "unauthorized").await;
         assert!(m.contains(why), "{m}");
     }
@@ -323,7 +297,7 @@ async fn quota_slots_are_held_by_running_sandboxes_only() {
     )
     .unwrap();
     let d = Daemon::start_with(&dir, &["--tenants", file.to_str().unwrap()]);
-    let c = client(&k);
+    let c = keyed(&k);
     let tg = json!({"image": "testguest", "cpus": 1, "memoryMb": 128});
     let (v1, _) = schedule_testguest(&c, &d).await;
     let (v2, _) = schedule_testguest(&c, &d).await;

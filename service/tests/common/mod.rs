@@ -209,3 +209,35 @@ pub fn alive(pid: u64) -> bool {
             .starts_with('Z')
     })
 }
+
+/// A new API key and the line of the tenants file that `sproutd --new-key`
+/// prints for it (`{ sha256 = "…" }`).
+pub fn new_key() -> (String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_sproutd"))
+        .arg("--new-key")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let err = String::from_utf8(out.stderr).unwrap();
+    let line = err
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("keys = [")?.strip_suffix(']'))
+        .unwrap_or_else(|| panic!("no keys line: {err}"))
+        .to_owned();
+    (key, line)
+}
+
+/// A client that sends `key` as `Authorization: Bearer`.
+pub fn keyed(key: &str) -> Client {
+    let mut h = reqwest::header::HeaderMap::new();
+    h.insert(
+        reqwest::header::AUTHORIZATION,
+        format!("Bearer {key}").parse().unwrap(),
+    );
+    Client::builder()
+        .default_headers(h)
+        .timeout(Duration::from_secs(900))
+        .build()
+        .unwrap()
+}
