@@ -145,8 +145,16 @@ impl Vsock {
     /// Host connects wait until the guest has handled the event (at most
     /// [`RESET_ACK_TIMEOUT`]), so that none is made before the guest's reset and
     /// silently dropped by it.
+    /// A device the guest has not set up yet (restored from a snapshot taken
+    /// before its driver did) has no connections and no event queue: nothing
+    /// waits, the driver starts fresh when it activates the device. (A pending
+    /// event on an inactive device would make its next snapshot one that no
+    /// restore accepts.)
     pub fn send_transport_reset(&mut self) {
         self.muxer.clear();
+        if !self.is_activated() {
+            return;
+        }
         self.muxer.hold();
         self.reset_ack = Some((None, Instant::now() + RESET_ACK_TIMEOUT));
         self.reset_event_pending = true;

@@ -145,9 +145,15 @@ mod tests {
         let idle = dev.save();
         assert_eq!(idle.guest_cid, CID);
         assert_eq!(postcard_round_trip(&idle), idle);
-        let r = Vsock::restore(path("b.sock"), &postcard_round_trip(&idle)).unwrap();
+        let mut r = Vsock::restore(path("b.sock"), &postcard_round_trip(&idle)).unwrap();
         assert_eq!(r.guest_cid(), CID);
         assert!(!r.is_activated());
+        // Told of a restore before its guest set it up: no event waits, and
+        // its next snapshot restores.
+        r.send_transport_reset();
+        let again = r.save();
+        assert!(!again.reset_event_pending);
+        Vsock::restore(path("b2.sock"), &again).unwrap();
 
         let active = VsockState {
             version: versions::VSOCK,
