@@ -54,14 +54,37 @@ fn pid(v: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no worker: {v}"))
 }
 
-/// The files under the data directory's `snapshots/`.
+/// The snapshots under the data directory's `snapshots/`, each
+/// `<tenant>/<sandbox>/<id>`: their ids.
 fn snapshot_dirs(d: &Daemon) -> Vec<String> {
-    match std::fs::read_dir(d.data_dir.join("snapshots")) {
-        Ok(rd) => rd
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(_) => Vec::new(),
+    snapshot_paths(d)
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect()
+}
+
+fn snapshot_paths(d: &Daemon) -> Vec<PathBuf> {
+    let sub = |p: &std::path::Path| -> Vec<PathBuf> {
+        match std::fs::read_dir(p) {
+            Ok(rd) => rd.map(|e| e.unwrap().path()).collect(),
+            Err(_) => Vec::new(),
+        }
+    };
+    let mut out = Vec::new();
+    for t in sub(&d.data_dir.join("snapshots")) {
+        for v in sub(&t) {
+            out.extend(sub(&v));
+        }
     }
+    out
+}
+
+/// Snapshot `id`'s directory (its `s` holds the files).
+fn snapshot_path(d: &Daemon, id: &str) -> PathBuf {
+    snapshot_paths(d)
+        .into_iter()
+        .find(|p| p.file_name().is_some_and(|n| n == id))
+        .unwrap_or_else(|| panic!("no snapshot directory of {id}"))
 }
 
 /// Every rest state of one sandbox in a row, each checked from the API, the
@@ -176,7 +199,7 @@ async fn a_sandbox_goes_through_every_rest_state_and_leaves_nothing_behind() {
             .unwrap();
         assert_eq!(rw, ["/".to_owned(), own.display().to_string()], "{mounts}");
         // Its snapshot's files are root's: the worker cannot change them.
-        let snap_dir = dir.join("snapshots").join(&fork_snap).join("s");
+        let snap_dir = snapshot_path(&d, &fork_snap).join("s");
         for e in std::fs::read_dir(&snap_dir).unwrap() {
             let m = std::fs::metadata(e.unwrap().path()).unwrap();
             use std::os::unix::fs::MetadataExt;
@@ -347,6 +370,14 @@ async fn a_sandbox_goes_through_every_rest_state_and_leaves_nothing_behind() {
         "{t}"
     );
     assert_eq!(snapshot_dirs(&d), [t["snapshotId"].as_str().unwrap()]);
+    // sproutd's own; the sandboxes' and their tenant's directories went
+    // with their last snapshot.
+    assert_eq!(
+        names_or_empty(&dir.join("snapshots")),
+        ["_sproutd"],
+        "{:?}",
+        snapshot_paths(&d)
+    );
     assert!(names_or_empty(&dir.join("vms")).is_empty());
     // Ready workers wait, one per shape restored in (jailed as root),
     // and go with a graceful stop.
@@ -643,7 +674,7 @@ async fn a_wake_whose_snapshot_is_damaged_cold_boots_and_says_so() {
         .collect();
     assert_eq!(after.len(), 1, "one new snapshot: {after:?}");
     // Flip a byte of its memory layer: it no longer verifies.
-    let snap = dir.join("snapshots").join(&after[0]).join("s");
+    let snap = snapshot_path(&d, &after[0]).join("s");
     let mem = std::fs::read_dir(&snap)
         .unwrap()
         .map(|e| e.unwrap().path())

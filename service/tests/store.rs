@@ -80,9 +80,16 @@ async fn snapshots_go_to_the_object_store_and_come_back_from_it() {
         "the local seal is not uploaded: {keys:?}"
     );
 
+    // Its local copy is laid out as its objects are: tenant, sandbox,
+    // snapshot.
+    let local = dir.join("snapshots/default").join(&vm).join(&a);
+    assert!(
+        local.join("s/manifest.json").is_file(),
+        "{}",
+        local.display()
+    );
     // Its local copy deleted: a schedule from it downloads, verifies and
     // runs it.
-    let local = dir.join("snapshots").join(&a);
     std::fs::remove_dir_all(&local).unwrap();
     let v = schedule(&c, &d, json!({"snapshot": a})).await;
     let child = v["vmId"].as_str().unwrap().to_owned();
@@ -377,4 +384,102 @@ async fn archive_frees_a_slot_and_unarchive_needs_one() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["state"], "running");
     assert_eq!(vsock_echo(&uds(&d, &v1), b"one"), b"one");
+}
+
+/// Two nodes unarchiving one sandbox: a fresh claim of a third node in its
+/// record keeps both away; once that claim is stale, of two unarchives at
+/// once, one wins and runs it, the other answers 409 and makes nothing.
+#[tokio::test]
+async fn of_two_nodes_unarchiving_at_once_one_wins() {
+    let t = tempfile::tempdir().unwrap();
+    let (dir_a, dir_b) = (t.path().join("a"), t.path().join("b"));
+    std::fs::create_dir_all(&dir_a).unwrap();
+    std::fs::create_dir_all(&dir_b).unwrap();
+    let s3 = S3::start(0).await;
+    let ep = s3.endpoint();
+    let args = ["--s3-endpoint", ep.as_str(), "--s3-bucket", BUCKET];
+    let c = Client::new();
+    let a = Daemon::start_env(&dir_a, &args, &CREDS);
+    let b = Daemon::start_env(&dir_b, &args, &CREDS);
+    let (vm, _) = schedule_testguest(&c, &a).await;
+    let r = post(&c, &a, &format!("/v1/runtime/vms/{vm}/archive"), json!({})).await;
+    assert_eq!(r.status(), 200, "{}", Daemon::log(&dir_a));
+    let key = format!("default/{vm}/archive.json");
+    let claim = |age_ms: u64| {
+        s3.boto(&format!(
+            "r = json.loads(s3.get_object(Bucket=BUCKET, Key='{key}')['Body'].read())\n\
+             r['claim'] = {{'node': 'node-c', 'atMs': int(time.time() * 1000) - {age_ms}}}\n\
+             s3.put_object(Bucket=BUCKET, Key='{key}', Body=json.dumps(r).encode())"
+        ))
+    };
+    let unarchive = |d: &Daemon| {
+        let url = d.url(&format!("/v1/runtime/vms/{vm}/unarchive"));
+        let c = c.clone();
+        async move { c.post(url).json(&json!({})).send().await.unwrap() }
+    };
+
+    // Node C is bringing it back: neither A nor B does, and B (which
+    // would import it) records nothing of it.
+    claim(1_000);
+    for d in [&a, &b] {
+        let m = assert_error(unarchive(d).await, StatusCode::CONFLICT, "invalid_state").await;
+        assert!(m.contains("being unarchived by node node-c"), "{m}");
+    }
+    let r = c
+        .get(b.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+
+    // C's claim is older than any unarchive takes: C died. A and B at once.
+    claim(20 * 60 * 1000);
+    let (ra, rb) = tokio::join!(unarchive(&a), unarchive(&b));
+    let (sa, sb) = (ra.status(), rb.status());
+    let (va, vb): (Value, Value) = (ra.json().await.unwrap(), rb.json().await.unwrap());
+    let (win, lose, lost) = match (sa.as_u16(), sb.as_u16()) {
+        (200, 409) => (&a, &b, &vb),
+        (409, 200) => (&b, &a, &va),
+        _ => panic!(
+            "A: {sa} {va}\nB: {sb} {vb}\n--- A ---\n{}\n--- B ---\n{}",
+            Daemon::log(&dir_a),
+            Daemon::log(&dir_b)
+        ),
+    };
+    assert_eq!(lost["error"]["code"], "invalid_state", "{lost}");
+    // It lost the claim, or came once the winner had taken the record.
+    let why = lost["error"]["message"].as_str().unwrap();
+    assert!(
+        why.contains("being unarchived by another node") || why.contains("unarchived elsewhere"),
+        "{why}"
+    );
+    eprintln!("the loser: {why}");
+    assert_eq!(vsock_echo(&uds(win, &vm), b"won"), b"won");
+    assert!(!s3.keys(&format!("default/{vm}/")).await.contains(&key));
+    let running_on = |d: &Daemon| {
+        std::fs::read_dir(d.data_dir.join("vms"))
+            .map(|rd| rd.flatten().any(|e| e.file_name() == vm.as_str()))
+            .unwrap_or(false)
+    };
+    assert!(running_on(win));
+    assert!(!running_on(lose), "the loser made a worker for it");
+    // The loser runs nothing of it; a delete there (if it knows it at all)
+    // leaves the winner's objects alone.
+    let before = s3.keys("").await;
+    let r = c
+        .delete(lose.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        [StatusCode::OK, StatusCode::NOT_FOUND].contains(&r.status()),
+        "{}",
+        r.status()
+    );
+    assert_eq!(
+        s3.keys("").await,
+        before,
+        "the loser's delete removed objects"
+    );
+    assert_eq!(vsock_echo(&uds(win, &vm), b"still"), b"still");
 }

@@ -233,6 +233,16 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
         ids.contains(&snap.as_str()) && ids.contains(&cp.as_str()),
         "{snaps}"
     );
+    // On disk, under its tenant and its sandbox.
+    for s in [&snap, &cp] {
+        let f = d
+            .data_dir
+            .join("snapshots/a")
+            .join(&vm)
+            .join(s)
+            .join("s/manifest.json");
+        assert!(f.is_file(), "{}", f.display());
+    }
     assert_eq!(get(&a, &d, "/v1/runtime/vms").await["vms"][0]["vmId"], vm);
 
     // A SIGHUP takes a revocation without a restart.

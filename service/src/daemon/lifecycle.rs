@@ -20,7 +20,7 @@
 //!   [`App::collect_garbage`].
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -360,7 +360,7 @@ impl App {
         let w = self
             .blocking(move || {
                 a.supervisor
-                    .snapshot(&row, id, diff)
+                    .snapshot(&row, (&row.tenant, Some(row.id)), id, diff)
                     .map_err(snapshot_failed)
             })
             .await?;
@@ -635,12 +635,14 @@ impl App {
     /// `POST /vms/{id}/unarchive`: an archived sandbox of this node, or
     /// (with `import`, the record another node left in the store) one it
     /// archived: its chain is downloaded, verified and restored into a new
-    /// worker, same id, files and processes. Its archive record goes once
-    /// it runs, so no second node unarchives it.
+    /// worker, same id, files and processes. Before anything else this node
+    /// claims the sandbox in its record, on the condition that the record
+    /// is still the one it read, so of two nodes unarchiving it at once one
+    /// goes on and the other answers 409; the record goes once it runs.
     pub async fn unarchive(
         self: &Arc<Self>,
         id: Uuid,
-        import: Option<super::mirror::ArchiveRecord>,
+        import: Option<super::mirror::Held>,
     ) -> Result<Sandbox, ApiError> {
         let Some(m) = self.mirror.as_ref() else {
             return Err(ApiError::new(
@@ -648,62 +650,114 @@ impl App {
                 "Unarchiving needs an object store: run sproutd with --s3-endpoint and --s3-bucket",
             ));
         };
-        if let Some(rec) = import {
-            let (row, chain) = rec.rows(self.supervisor.snapshots_dir()).ok_or_else(|| {
-                ApiError::new(
+        let mut claimed = None;
+        if let Some(held) = import {
+            let rest = held.rec.rest_snapshot_id();
+            let held = claim(m, id, held, rest).await?;
+            let rows = held.rec.rows(self.supervisor.snapshots_dir());
+            let imported = match rows {
+                None => Err(ApiError::new(
                     Code::StoreFailed,
                     format!("The archive record of sandbox {id} does not hold together"),
-                )
-            })?;
-            self.db(move |r| r.import_archived(&row, &chain))
-                .await?
-                .map_err(|why| {
-                    ApiError::new(
+                )),
+                Some((row, chain)) => match self.db(move |r| r.import_archived(&row, &chain)).await
+                {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(why)) => Err(ApiError::new(
                         Code::StoreFailed,
                         format!("The archive record of sandbox {id} is refused: {why}"),
-                    )
-                })?;
+                    )),
+                    Err(e) => Err(e),
+                },
+            };
+            if let Err(e) = imported {
+                release(m, id, held).await;
+                return Err(e);
+            }
             tracing::info!(vm = %id, "imported from the object store's archive record");
+            claimed = Some(held);
         }
-        let (_g, s) = self.locked(id).await?;
-        if s.state != State::Archived {
-            return Err(invalid(&s, "unarchive"));
+        let (_g, s) = match self.locked(id).await {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(h) = claimed {
+                    release(m, id, h).await;
+                }
+                return Err(e);
+            }
+        };
+        let claimed_here = claimed.is_some();
+        let r = self.unarchive_locked(m, &s, claimed).await;
+        if r.is_err() && claimed_here {
+            tracing::info!(vm = %id, "imported, not unarchived: it stays archived here");
         }
-        let _slot = self.hold_slots(&s.tenant, vec![id]).await?;
-        let rest = s
-            .rest_snapshot_id
-            .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
-        // The record is the claim: taken from the store before the restore
-        // (put back if it fails), so a node whose record is gone knows
-        // another node has the sandbox.
-        let rec = m
-            .get_archive(&s.tenant, id)
-            .await
-            .map_err(|e| ApiError::new(Code::StoreFailed, e))?
-            .ok_or_else(|| {
-                ApiError::in_state(
-                    Code::InvalidState,
-                    "archived",
-                    format!(
-                        "Sandbox {id} was unarchived elsewhere: its archive record is gone from \
-                         the object store (delete it here)"
-                    ),
-                )
-            })?;
-        m.delete_archive(&s.tenant, id)
-            .await
-            .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
+        r?;
+        drop(_g);
+        self.get(id).await
+    }
+
+    async fn unarchive_locked(
+        self: &Arc<Self>,
+        m: &super::mirror::Mirror,
+        s: &Sandbox,
+        claimed: Option<super::mirror::Held>,
+    ) -> Result<(), ApiError> {
+        let id = s.id;
+        let ready = async {
+            if s.state != State::Archived {
+                return Err(invalid(s, "unarchive"));
+            }
+            let slot = self.hold_slots(&s.tenant, vec![id]).await?;
+            let rest = s
+                .rest_snapshot_id
+                .ok_or_else(|| ApiError::internal(format!("Sandbox {id} has no rest snapshot")))?;
+            Ok((slot, rest))
+        };
+        let (_slot, rest) = match ready.await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(h) = claimed {
+                    release(m, id, h).await;
+                }
+                return Err(e);
+            }
+        };
+        let held = match claimed {
+            Some(h) => h,
+            None => {
+                let got = m
+                    .get_archive(&s.tenant, id)
+                    .await
+                    .map_err(|e| ApiError::new(Code::StoreFailed, e))?
+                    .ok_or_else(|| {
+                        ApiError::in_state(
+                            Code::InvalidState,
+                            "archived",
+                            format!(
+                                "Sandbox {id} was unarchived elsewhere: its archive record is \
+                                 gone from the object store (delete it here)"
+                            ),
+                        )
+                    })?;
+                claim(m, id, got, rest).await?
+            }
+        };
         let t = Instant::now();
         // Starting while it restores: nothing evicts its chain meanwhile.
-        self.db(move |r| r.set_state(id, State::Starting, None))
-            .await?;
-        if let Err(e) = self.restore_into(&s, rest, s.hostname.clone()).await {
-            // Still archived: the store keeps it, another try may work.
+        if let Err(e) = self
+            .db(move |r| r.set_state(id, State::Starting, None))
+            .await
+        {
+            release(m, id, held).await;
+            return Err(e);
+        }
+        if let Err(e) = self.restore_into(s, rest, s.hostname.clone()).await {
+            // Still archived: the store keeps it, another try (here or
+            // elsewhere) may work.
             let st = State::Archived;
-            self.db(move |r| r.set_state(id, st, None)).await?;
-            if let Err(e) = m.put_archive(&rec).await {
-                tracing::error!(vm = %id, "cannot put its archive record back: {e}");
-            }
+            let back = self.db(move |r| r.set_state(id, st, None)).await;
+            release(m, id, held).await;
+            back?;
             return Err(ApiError::new(
                 e.code,
                 format!("Sandbox {id} stays archived: {}", e.message),
@@ -711,9 +765,14 @@ impl App {
         }
         self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
             .await?;
+        // It runs here: its record goes (a failure leaves this node's own
+        // claim in it, which keeps others away until it is stale).
+        if let Err(e) = m.delete_archive(&s.tenant, id).await {
+            tracing::warn!(vm = %id, "cannot delete its archive record: {e}");
+        }
         self.metrics.unarchive.observe(t.elapsed());
         tracing::info!(vm = %id, "unarchived in {} ms", t.elapsed().as_millis());
-        self.get(id).await
+        Ok(())
     }
 
     /// Stops the sandbox's worker, keeping its directory.
@@ -1178,20 +1237,15 @@ impl App {
                 return;
             }
         };
-        let dir = self.supervisor.snapshots_dir().to_owned();
+        let root = self.supervisor.snapshots_dir().to_owned();
         let a = self.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            let Ok(rd) = std::fs::read_dir(&dir) else {
-                return;
-            };
-            for e in rd.flatten() {
-                if !known.contains(&e.file_name()) {
-                    tracing::info!(
-                        "removing {}: no snapshot of the registry's",
-                        e.path().display()
-                    );
+            // A snapshot's directory is named by its id, whoever's it is.
+            for home in snapshot_homes(&root) {
+                if !home.file_name().is_some_and(|n| known.contains(n)) {
+                    tracing::info!("removing {}: no snapshot of the registry's", home.display());
                     a.supervisor
-                        .remove_snapshot(&e.path().join(super::store::SNAPSHOT_SUBDIR));
+                        .remove_snapshot(&home.join(super::store::SNAPSHOT_SUBDIR));
                 }
             }
         })
@@ -1220,6 +1274,86 @@ impl App {
             Err(e) => tracing::warn!("snapshot garbage collection: {}", e.message),
         }
     }
+}
+
+/// Claims archived sandbox `id` for this node (see
+/// [`super::mirror::Mirror::claim_archive`]), whose record here names
+/// `rest` as its rest snapshot: 409 if another node has it, or archived it
+/// again since.
+async fn claim(
+    m: &super::mirror::Mirror,
+    id: Uuid,
+    held: super::mirror::Held,
+    rest: Uuid,
+) -> Result<super::mirror::Held, ApiError> {
+    let conflict = |why: String| ApiError::in_state(Code::InvalidState, "archived", why);
+    if held.rec.rest_snapshot_id() != rest {
+        return Err(conflict(format!(
+            "Sandbox {id} was archived again by another node since this node archived it: this \
+             node's record of it is out of date (delete it here, which leaves the store's \
+             archive alone, then unarchive it again)"
+        )));
+    }
+    if let Some(c) = held.rec.claimed_by_other(m.node()) {
+        return Err(conflict(format!(
+            "Sandbox {id} is being unarchived by node {} (claimed {} s ago)",
+            c.node,
+            super::now_ms().saturating_sub(c.at_ms) / 1000
+        )));
+    }
+    m.claim_archive(held)
+        .await
+        .map_err(|e| ApiError::new(Code::StoreFailed, e))?
+        .ok_or_else(|| {
+            conflict(format!(
+                "Sandbox {id} is being unarchived by another node: its archive record changed \
+                 while this node claimed it"
+            ))
+        })
+}
+
+/// Gives up this node's claim on archived sandbox `id`.
+async fn release(m: &super::mirror::Mirror, id: Uuid, held: super::mirror::Held) {
+    if let Err(e) = m.release_archive(held).await {
+        tracing::error!(vm = %id, "cannot give up its claim in its archive record: {e}");
+    }
+}
+
+/// Every snapshot directory under `root`: `<tenant>/<sandbox>/<id>`, and
+/// the older layout's `<id>`. An owner's directory that holds nothing is
+/// removed on the way.
+fn snapshot_homes(root: &Path) -> Vec<PathBuf> {
+    fn dirs(d: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(d)
+            .map(|rd| {
+                rd.flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    let is_id = |p: &Path| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| Uuid::parse_str(n).is_ok())
+    };
+    let mut out = Vec::new();
+    for top in dirs(root) {
+        if is_id(&top) {
+            out.push(top);
+            continue;
+        }
+        for vm in dirs(&top) {
+            let homes = dirs(&vm);
+            if homes.is_empty() {
+                let _ = std::fs::remove_dir(&vm);
+            }
+            out.extend(homes);
+        }
+        let _ = std::fs::remove_dir(&top);
+    }
+    out
 }
 
 /// A fork child of `s` from `snap`: its shape, image, env, metadata and

@@ -178,6 +178,47 @@ pub struct ArchiveRecord {
     sandbox: SandboxRecord,
     /// Its rest snapshot's chain, base first.
     chain: Vec<SnapRecord>,
+    /// The node bringing it back (or deleting it), if one is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    claim: Option<Claim>,
+}
+
+/// A node's claim on an archived sandbox: written into its record with the
+/// record's version as the precondition (`If-Match`), so of two nodes that
+/// read the same record, one claim lands and the other is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Claim {
+    /// The claiming node's id (`<data dir>/node-id`).
+    pub node: String,
+    /// When, in ms since the epoch.
+    pub at_ms: u64,
+}
+
+/// A claim older than this is a node that died mid-unarchive: another node
+/// may take the sandbox over. (An unarchive answers in well under it.)
+pub const CLAIM_TTL: Duration = Duration::from_secs(15 * 60);
+
+/// An archive record as read from the store, with the version a change to
+/// it must match.
+#[derive(Debug)]
+pub struct Held {
+    pub rec: ArchiveRecord,
+    version: object_store::UpdateVersion,
+}
+
+impl ArchiveRecord {
+    /// Its rest snapshot.
+    pub fn rest_snapshot_id(&self) -> Uuid {
+        self.sandbox.rest_snapshot_id
+    }
+
+    /// The claim on it of a node other than `node` that is still fresh.
+    pub fn claimed_by_other(&self, node: &str) -> Option<&Claim> {
+        self.claim.as_ref().filter(|c| {
+            c.node != node && now_ms().saturating_sub(c.at_ms) < CLAIM_TTL.as_millis() as u64
+        })
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -261,11 +302,12 @@ impl ArchiveRecord {
                     created_ms: c.created_ms,
                 })
                 .collect(),
+            claim: None,
         })
     }
 
     /// The sandbox (archived) and its chain's rows, as this node records
-    /// them: each snapshot in `<snapshots>/<id>/s`. None if the record does
+    /// them: each snapshot in `<snapshots>/<tenant>/<sandbox>/<id>/s`. None if the record does
     /// not hold together (its chain does not end in its rest snapshot, a
     /// parent is not the one before, a shape is out of range).
     pub fn rows(&self, snapshots: &Path) -> Option<(Sandbox, Vec<SnapshotRow>)> {
@@ -300,8 +342,7 @@ impl ArchiveRecord {
                 tenant: c.tenant.clone(),
                 vm_id: c.vm_id,
                 name: c.name.clone(),
-                dir: snapshots
-                    .join(c.id.to_string())
+                dir: super::store::snapshot_home(snapshots, &c.tenant, c.vm_id, c.id)
                     .join(super::store::SNAPSHOT_SUBDIR),
                 // Here, only the sandbox's chain: its rest snapshot, and what
                 // it builds on (not listed, not a template or checkpoint of
@@ -357,14 +398,34 @@ impl Downloads {
 /// The mirror, when one is configured.
 pub struct Mirror {
     store: Arc<dyn ObjectStore>,
+    /// This node's id, in its claims on archived sandboxes.
+    node: String,
     /// Where it is, for logs.
     pub url: String,
     wake: tokio::sync::Notify,
 }
 
+/// This node's id: made once, kept in `<data dir>/node-id`.
+fn node_id(data_dir: &Path) -> Result<String, String> {
+    let f = data_dir.join("node-id");
+    match std::fs::read_to_string(&f) {
+        Ok(s) if Uuid::parse_str(s.trim()).is_ok() => return Ok(s.trim().to_owned()),
+        Ok(_) => tracing::warn!("{} is not a node id: making a new one", f.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("Cannot read {}: {e}", f.display())),
+    }
+    let id = Uuid::new_v4().to_string();
+    let tmp = f.with_extension("tmp");
+    std::fs::write(&tmp, format!("{id}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &f))
+        .map_err(|e| format!("Cannot write {}: {e}", f.display()))?;
+    Ok(id)
+}
+
 impl Mirror {
-    /// The mirror `args` configure (none without `--s3-endpoint`).
-    pub fn new(args: &StoreArgs) -> Result<Option<Mirror>, String> {
+    /// The mirror `args` configure (none without `--s3-endpoint`), for the
+    /// node whose data dir is `data_dir`.
+    pub fn new(args: &StoreArgs, data_dir: &Path) -> Result<Option<Mirror>, String> {
         let (Some(endpoint), Some(bucket)) = (&args.s3_endpoint, &args.s3_bucket) else {
             return Ok(None);
         };
@@ -405,6 +466,7 @@ impl Mirror {
             .map_err(|e| format!("Bad object store settings: {}", chain(&e)))?;
         Ok(Some(Mirror {
             store: Arc::new(store),
+            node: node_id(data_dir)?,
             url: format!("{endpoint}/{bucket}"),
             wake: tokio::sync::Notify::new(),
         }))
@@ -412,12 +474,7 @@ impl Mirror {
 
     /// The key prefix of `row`'s objects.
     fn prefix(row: &SnapshotRow) -> String {
-        let tenant = if row.tenant.is_empty() {
-            "_sproutd"
-        } else {
-            &row.tenant
-        };
-        let vm = row.vm_id.map_or_else(|| "_".to_owned(), |v| v.to_string());
+        let (tenant, vm) = super::store::owner_parts(&row.tenant, row.vm_id);
         format!("{tenant}/{vm}/{}", row.id)
     }
 
@@ -644,11 +701,7 @@ impl Mirror {
     }
 
     /// The archive record of `tenant`'s sandbox `vm`, if the store has one.
-    pub async fn get_archive(
-        &self,
-        tenant: &str,
-        vm: Uuid,
-    ) -> Result<Option<ArchiveRecord>, String> {
+    pub async fn get_archive(&self, tenant: &str, vm: Uuid) -> Result<Option<Held>, String> {
         let key = Self::archive_key(tenant, vm);
         let got = match self.store.get(&key).await {
             Ok(g) => g,
@@ -657,6 +710,15 @@ impl Mirror {
         };
         if got.meta.size > MAX_RECORD as u64 {
             return Err(format!("{key} is over {MAX_RECORD} bytes"));
+        }
+        let version = object_store::UpdateVersion {
+            e_tag: got.meta.e_tag.clone(),
+            version: got.meta.version.clone(),
+        };
+        if version.e_tag.is_none() && version.version.is_none() {
+            return Err(format!(
+                "{key} has no ETag: the object store cannot arbitrate between two nodes"
+            ));
         }
         let bytes = got
             .bytes()
@@ -667,7 +729,59 @@ impl Mirror {
         if rec.sandbox.id != vm || rec.sandbox.tenant != tenant {
             return Err(format!("{key} is another sandbox's"));
         }
-        Ok(Some(rec))
+        Ok(Some(Held { rec, version }))
+    }
+
+    /// Claims the archived sandbox of `held` for this node: its record
+    /// rewritten with this node's claim, on the condition that it is still
+    /// the version read. `Ok(None)` if it is not (another node changed or
+    /// removed it since).
+    pub async fn claim_archive(&self, held: Held) -> Result<Option<Held>, String> {
+        let mut rec = held.rec;
+        rec.claim = Some(Claim {
+            node: self.node.clone(),
+            at_ms: now_ms(),
+        });
+        self.put_if(rec, held.version).await
+    }
+
+    /// Puts back the record of `held` (claimed by this node) unclaimed,
+    /// for a later unarchive here or elsewhere.
+    pub async fn release_archive(&self, held: Held) -> Result<(), String> {
+        let mut rec = held.rec;
+        rec.claim = None;
+        match self.put_if(rec, held.version).await? {
+            Some(_) => Ok(()),
+            None => Err("its record changed meanwhile".into()),
+        }
+    }
+
+    async fn put_if(
+        &self,
+        rec: ArchiveRecord,
+        version: object_store::UpdateVersion,
+    ) -> Result<Option<Held>, String> {
+        let body = serde_json::to_vec(&rec).map_err(|e| e.to_string())?;
+        let key = Self::archive_key(&rec.sandbox.tenant, rec.sandbox.id);
+        let opts = object_store::PutOptions::from(object_store::PutMode::Update(version));
+        match self.store.put_opts(&key, body.into(), opts).await {
+            Ok(r) => Ok(Some(Held {
+                rec,
+                version: object_store::UpdateVersion {
+                    e_tag: r.e_tag,
+                    version: r.version,
+                },
+            })),
+            Err(
+                object_store::Error::Precondition { .. } | object_store::Error::NotFound { .. },
+            ) => Ok(None),
+            Err(e) => Err(format!("Cannot update {key}: {}", chain(&e))),
+        }
+    }
+
+    /// This node's id in claims.
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     /// Deletes the archive record of `tenant`'s sandbox `vm`.
@@ -877,8 +991,7 @@ impl App {
                 .parent()
                 .ok_or_else(|| format!("{} has no parent", row.dir.display()))?
                 .to_path_buf();
-            std::fs::create_dir_all(&base)
-                .map_err(|e| format!("Cannot create {}: {e}", base.display()))?;
+            super::store::make_home(&base)?;
             let tmp = base.join(format!(".download-{}", Uuid::new_v4().simple()));
             let t = std::time::Instant::now();
             let fetched = m.download(&row, &tmp).await;

@@ -418,7 +418,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
             tenants::Tenants::single()
         }
     };
-    let mirror = mirror::Mirror::new(&args.store).map_err(DaemonError::Insecure)?;
+    let mirror = mirror::Mirror::new(&args.store, &data_dir).map_err(DaemonError::Insecure)?;
     let probe = vmm::arch::probe::check_linux_guests_cached(&crate::linux::cache_dir())
         .map_err(|e| error::chain(&e));
     // Where this KVM cannot run Linux guests, serve from the lab (unless

@@ -244,7 +244,7 @@ pub async fn unarchive(
                 .map_err(|m| ApiError::new(Code::StoreFailed, m))?;
             let here = app.db(move |r| r.get_sandbox(vm)).await?.is_some();
             match rec {
-                Some(rec) if !here => Some(rec),
+                Some(held) if !here => Some(held),
                 _ => return Err(e),
             }
         }

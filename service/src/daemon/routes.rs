@@ -892,18 +892,34 @@ async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
         (s.state, app.mirror.as_ref(), s.rest_snapshot_id)
     {
         // Its record goes first: no node may bring back what is deleted.
-        // If the record is gone, another node unarchived it and runs it
-        // on these objects: they are that node's now, not deleted here.
+        // It is claimed first (as an unarchive would), so an unarchive on
+        // another node either wins the record or finds it gone. If the
+        // record is gone, another node's claim is in it, or it names
+        // another rest snapshot, another node has the sandbox (or archived
+        // it again) on these objects: they are that node's, not deleted
+        // here.
         let here = m
             .get_archive(&s.tenant, vm)
             .await
             .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
-        match here {
-            Some(_) => m
-                .delete_archive(&s.tenant, vm)
+        let ours = match here {
+            Some(h)
+                if h.rec.rest_snapshot_id() == rest
+                    && h.rec.claimed_by_other(m.node()).is_none() =>
+            {
+                m.claim_archive(h)
+                    .await
+                    .map_err(|e| ApiError::new(Code::StoreFailed, e))?
+                    .is_some()
+            }
+            _ => false,
+        };
+        if ours {
+            m.delete_archive(&s.tenant, vm)
                 .await
-                .map_err(|e| ApiError::new(Code::StoreFailed, e))?,
-            None => app.db(move |r| r.disown_chain(rest)).await?,
+                .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
+        } else {
+            app.db(move |r| r.disown_chain(rest)).await?;
         }
     }
     app.db(move |r| r.set_state(vm, VmState::Stopping, None))

@@ -4,10 +4,14 @@
 //! from a snapshot's disk: a reboot, or a wake whose memory cannot be
 //! restored).
 //!
-//! Each snapshot is `<data dir>/snapshots/<snapshot id>/s`, a directory as
-//! the `snapshot` crate writes it (a manifest, the VM state, a memory layer
-//! and a disk layer per writable disk, all checksummed); a diff names its
-//! parent's directory. A jailed worker writes one through a bind mount of
+//! Each snapshot is `<data dir>/snapshots/<tenant>/<sandbox id>/<snapshot
+//! id>/s` ([`snapshot_home`]; sproutd's own, a template's, are under
+//! `_sproutd/_/`), a directory as the `snapshot` crate writes it (a manifest,
+//! the VM state, a memory layer and a disk layer per writable disk, all
+//! checksummed); a diff names its parent's directory. The object store's
+//! keys have the same layout. (Snapshots written before this layout are
+//! `snapshots/<snapshot id>/s`; the registry records each one's directory,
+//! so they stay where they are.) A jailed worker writes one through a bind mount of
 //! `<snapshot id>/` that sproutd makes for it, owned by the jail uid for
 //! the write; once written, sproutd takes every file back (root's, not
 //! writable by the jail uid), verifies the snapshot whole before the API
@@ -35,6 +39,26 @@ pub const SNAPSHOTS_DIR: &str = "snapshots";
 /// In `<snapshots>/<id>/`: the snapshot directory itself.
 pub const SNAPSHOT_SUBDIR: &str = "s";
 
+/// The two path components naming who a snapshot belongs to, here and in
+/// the object store: its tenant (`_sproutd` for sproutd's own, a
+/// template's; no tenant name starts with `_`) and its sandbox (`_` for
+/// none).
+pub fn owner_parts(tenant: &str, vm: Option<Uuid>) -> (String, String) {
+    let t = if tenant.is_empty() {
+        "_sproutd".to_owned()
+    } else {
+        tenant.to_owned()
+    };
+    (t, vm.map_or_else(|| "_".to_owned(), |v| v.to_string()))
+}
+
+/// The directory of snapshot `id` of `tenant`'s sandbox `vm` under
+/// `snapshots` (the snapshot itself is its [`SNAPSHOT_SUBDIR`]).
+pub fn snapshot_home(snapshots: &Path, tenant: &str, vm: Option<Uuid>, id: Uuid) -> PathBuf {
+    let (t, v) = owner_parts(tenant, vm);
+    snapshots.join(t).join(v).join(id.to_string())
+}
+
 /// A snapshot just written: where, and its size on disk.
 pub struct Written {
     pub dir: PathBuf,
@@ -44,15 +68,22 @@ pub struct Written {
 impl Supervisor {
     /// Has the worker of `s` write a snapshot of its VM (a diff on its
     /// lineage's parent when `diff`), then verifies it. A running VM is
-    /// paused for the capture and runs on; a paused one stays paused.
-    pub fn snapshot(&self, s: &Sandbox, id: Uuid, diff: bool) -> Result<Written, String> {
+    /// paused for the capture and runs on; a paused one stays paused. The
+    /// snapshot is filed under `owner` (tenant, sandbox): `s`'s own, or
+    /// none for sproutd's (a template's).
+    pub fn snapshot(
+        &self,
+        s: &Sandbox,
+        owner: (&str, Option<Uuid>),
+        id: Uuid,
+        diff: bool,
+    ) -> Result<Written, String> {
         let sock = s
             .worker_socket
             .clone()
             .ok_or_else(|| "The sandbox has no worker".to_owned())?;
-        let base = self.snapshots_dir().join(id.to_string());
-        std::fs::create_dir_all(&base)
-            .map_err(|e| format!("Cannot create {}: {e}", base.display()))?;
+        let base = snapshot_home(self.snapshots_dir(), owner.0, owner.1, id);
+        make_home(&base)?;
         let r = self.snapshot_into(&sock, &base, diff);
         if r.is_err() {
             let _ = std::fs::remove_dir_all(&base);
@@ -292,9 +323,11 @@ impl Supervisor {
     }
 
     /// Removes a snapshot's files (`dir` is its `s`; its parent, the
-    /// snapshot's own directory, goes with it).
+    /// snapshot's own directory, goes with it, and so do its sandbox's and
+    /// tenant's directories if that leaves them empty).
     pub fn remove_snapshot(&self, dir: &Path) {
-        let base = dir.parent().filter(|b| b.starts_with(self.snapshots_dir()));
+        let root = self.snapshots_dir();
+        let base = dir.parent().filter(|b| b.starts_with(root) && *b != root);
         let Some(base) = base else {
             tracing::warn!("not removing {}: not a snapshot directory", dir.display());
             return;
@@ -304,6 +337,35 @@ impl Supervisor {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => tracing::warn!("cannot remove {}: {e}", base.display()),
         }
+        remove_empty_parents(root, base);
+    }
+}
+
+/// Creates a snapshot's directory and its owners' above it. Another
+/// snapshot's removal may take an emptied owner's directory away between
+/// the two: that is tried again.
+pub(super) fn make_home(base: &Path) -> Result<(), String> {
+    let mut tries = 0;
+    loop {
+        match std::fs::create_dir_all(base) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && tries < 5 => tries += 1,
+            Err(e) => return Err(format!("Cannot create {}: {e}", base.display())),
+        }
+    }
+}
+
+/// Removes the directories between `root` and `gone` (exclusive) that are
+/// empty, deepest first: a sandbox's and a tenant's snapshot directories
+/// once they hold nothing.
+pub fn remove_empty_parents(root: &Path, gone: &Path) {
+    let mut d = gone.parent();
+    while let Some(p) = d.filter(|p| p.starts_with(root) && *p != root) {
+        // Fails, and stops, at the first one that still holds something.
+        if std::fs::remove_dir(p).is_err() {
+            return;
+        }
+        d = p.parent();
     }
 }
 

@@ -213,11 +213,12 @@ impl App {
             }
             let snap_id = Uuid::new_v4();
             let (a, row) = (self.clone(), s.clone());
-            let w =
-                tokio::task::spawn_blocking(move || a.supervisor.snapshot(&row, snap_id, false))
-                    .await
-                    .map_err(|e| ApiError::internal(e.to_string()))?
-                    .map_err(|e| ApiError::new(Code::SnapshotFailed, e))?;
+            let w = tokio::task::spawn_blocking(move || {
+                a.supervisor.snapshot(&row, ("", None), snap_id, false)
+            })
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|e| ApiError::new(Code::SnapshotFailed, e))?;
             let snap = SnapshotRow {
                 id: snap_id,
                 // sproutd's own: no tenant's.

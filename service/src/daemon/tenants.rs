@@ -255,8 +255,11 @@ fn read(path: &Path) -> Result<Table, TenantsError> {
     parse(&text).map_err(|m| TenantsError::Invalid(path.into(), m))
 }
 
+/// A tenant's name is a path component of its snapshots, here and in the
+/// object store; names starting with `_` are sproutd's own (`_sproutd`).
 fn valid_name(n: &str) -> bool {
     (1..=64).contains(&n.len())
+        && n.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
         && n.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
@@ -273,7 +276,7 @@ fn parse(text: &str) -> Result<Table, String> {
     for e in file.tenant {
         if !valid_name(&e.name) {
             return Err(format!(
-                "tenant name {:?}: 1-64 of a-z, 0-9, - and _",
+                "tenant name {:?}: 1-64 of a-z, 0-9, - and _, starting with a letter or digit",
                 e.name
             ));
         }
@@ -552,6 +555,8 @@ mod tests {
         for (text, why) in [
             ("", "no tenant"),
             ("[[tenant]]\nname = \"\"\n", "tenant name"),
+            ("[[tenant]]\nname = \"_sproutd\"\n", "tenant name"),
+            ("[[tenant]]\nname = \"-a\"\n", "tenant name"),
             ("[[tenant]]\nname = \"a\"\nslot = 1\n", "unknown field"),
             (
                 "[[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"a\"\n",

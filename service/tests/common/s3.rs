@@ -96,18 +96,16 @@ impl S3 {
             .collect()
     }
 
-    /// Flips the last byte of object `key` (through boto3, from moto's
-    /// venv: the server wants signed requests for what sproutd wrote).
-    pub fn corrupt(&self, key: &str) {
+    /// Runs Python `code` with `s3` (a boto3 client of this server) and
+    /// `BUCKET` defined, from moto's venv (the server wants signed
+    /// requests for what sproutd wrote); what it printed.
+    pub fn boto(&self, code: &str) -> String {
         let py = moto().with_file_name("python3");
         let script = format!(
-            "import boto3\n\
+            "import boto3, json, time\n\
              s3 = boto3.client('s3', endpoint_url='{}', region_name='us-east-1',\n\
                  aws_access_key_id='{}', aws_secret_access_key='{}')\n\
-             b = bytearray(s3.get_object(Bucket='{BUCKET}', Key='{key}')['Body'].read())\n\
-             assert b\n\
-             b[-1] ^= 0x5a\n\
-             s3.put_object(Bucket='{BUCKET}', Key='{key}', Body=bytes(b))\n",
+             BUCKET = '{BUCKET}'\n{code}\n",
             self.endpoint(),
             CREDS[0].1,
             CREDS[1].1
@@ -115,9 +113,20 @@ impl S3 {
         let out = Command::new(py).arg("-c").arg(script).output().unwrap();
         assert!(
             out.status.success(),
-            "corrupting {key}: {}",
+            "boto3 failed: {}\n{code}",
             String::from_utf8_lossy(&out.stderr)
         );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Flips the last byte of object `key`.
+    pub fn corrupt(&self, key: &str) {
+        self.boto(&format!(
+            "b = bytearray(s3.get_object(Bucket=BUCKET, Key='{key}')['Body'].read())\n\
+             assert b\n\
+             b[-1] ^= 0x5a\n\
+             s3.put_object(Bucket=BUCKET, Key='{key}', Body=bytes(b))"
+        ));
     }
 
     pub fn stop(mut self) -> u16 {
