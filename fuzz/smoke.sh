@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every fuzz target for a short time (default 30 s each) from its seed corpus in
+# Runs every fuzz target for a short time (default 30 s each, as many at once as there
+# are cores) from its seed corpus in
 # fuzz/corpus/<target>/ and fails if any target crashes, leaks or times out.
 #
 #   fuzz/smoke.sh [SECONDS] [TARGET...]
@@ -29,17 +30,41 @@ fi
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 failed=()
+# All targets in one build (they share every dependency), then run as many
+# at once as there are cores: each libFuzzer run is one busy thread.
+echo "== fuzz: building ${targets[*]}"
+built=()
 for t in "${targets[@]}"; do
-  echo "== fuzz $t for ${secs}s"
-  mkdir -p "$scratch/$t" "artifacts/$t"
-  if ! cargo +nightly fuzz build --release "$t"; then
+  if cargo +nightly fuzz build --release "$t"; then
+    built+=("$t")
+  else
     echo "fuzz smoke: cannot build $t" >&2
     failed+=("$t (build)")
-    continue
   fi
+done
+jobs=$(nproc 2>/dev/null || echo 1)
+run_one() {
+  local t=$1
+  mkdir -p "$scratch/$t" "artifacts/$t"
   if cargo +nightly fuzz run --release "$t" "$scratch/$t" "corpus/$t" -- \
       -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
       -artifact_prefix="artifacts/$t/" -print_final_stats=1 2>"$scratch/$t.log"; then
+    touch "$scratch/$t.ok"
+  fi
+}
+running=0
+for t in "${built[@]}"; do
+  echo "== fuzz $t for ${secs}s"
+  run_one "$t" &
+  running=$((running + 1))
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+done
+wait
+for t in "${built[@]}"; do
+  if [ -e "$scratch/$t.ok" ]; then
     grep -E '^#[0-9]+' "$scratch/$t.log" | tail -n 1 | sed "s/^/  $t /"
     grep -E '^(stat::number_of_executed_units|stat::peak_rss_mb)' "$scratch/$t.log" | sed "s/^/  $t /"
   else
