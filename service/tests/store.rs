@@ -193,6 +193,64 @@ async fn retention_keeps_three_and_what_a_checkpoint_builds_on() {
     assert_eq!(vsock_echo(&uds(&d, &kid), b"kept"), b"kept");
 }
 
+/// Retention by age needs no new snapshot: a user snapshot past
+/// `--keep-days` goes when sproutd starts (and hourly), one a checkpoint
+/// builds on stays.
+#[tokio::test]
+async fn snapshots_past_keep_days_go_without_a_new_snapshot() {
+    let (_t, dir) = data_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = Daemon::start(&dir);
+    let c = Client::new();
+    let (vm, _) = schedule_testguest(&c, &d).await;
+    let kept = snapshot(&c, &d, &vm).await;
+    let r = post(
+        &c,
+        &d,
+        &format!("/v1/runtime/vms/{vm}/checkpoints"),
+        json!({"name": "on kept"}),
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    let old = snapshot(&c, &d, &vm).await;
+    let new = snapshot(&c, &d, &vm).await;
+    d.stop();
+    // Eight days older, both (the default keeps seven): as if sproutd had
+    // been down that long.
+    {
+        let db = rusqlite::Connection::open(dir.join("registry.db")).unwrap();
+        let n = db
+            .execute(
+                "UPDATE snapshots SET created_ms = created_ms - 8 * 86400000 \
+                 WHERE id IN (?1, ?2)",
+                [&old, &kept],
+            )
+            .unwrap();
+        assert_eq!(n, 2);
+    }
+    let d = Daemon::start(&dir);
+    let t = Instant::now();
+    loop {
+        let r = c
+            .get(d.url(&format!("/v1/runtime/snapshots/{old}")))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == StatusCode::NOT_FOUND {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{old} was not deleted\n{}",
+            Daemon::log(&dir)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The one the checkpoint builds on and the new one stay.
+    let left = user_snapshots(&get(&c, &d, "/v1/runtime/snapshots").await);
+    assert_eq!(left, [kept, new]);
+}
+
 /// Survives node loss: archived on node A (its own data directory), A's
 /// whole data directory deleted, unarchived on node B, which shares only
 /// the object store: the same sandbox, its VM running on from the memory

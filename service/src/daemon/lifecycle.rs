@@ -450,6 +450,32 @@ impl App {
         Ok((s, snap))
     }
 
+    /// Retention by age for every sandbox (sproutd runs it at start and
+    /// hourly, so that a snapshot past `--keep-days` goes even if its
+    /// sandbox takes no new one): [`Self::retain`] for each sandbox, live
+    /// or deleted, that has a user snapshot older than that.
+    pub async fn retain_by_age(self: &Arc<Self>) {
+        let (_, days) = self.retention;
+        if days == 0 {
+            return;
+        }
+        let before = now_ms().saturating_sub(u64::from(days) * 86_400_000);
+        let vms = match self.db(|r| r.list_snapshots()).await {
+            Ok(all) => all
+                .into_iter()
+                .filter(|s| s.kind == SnapshotKind::User && s.created_ms < before)
+                .filter_map(|s| s.vm_id)
+                .collect::<std::collections::BTreeSet<_>>(),
+            Err(e) => {
+                tracing::warn!("retention: {}", e.message);
+                return;
+            }
+        };
+        for vm in vms {
+            self.retain(vm).await;
+        }
+    }
+
     /// Retention, after a user snapshot of `vm`: its user snapshots past
     /// the newest kept, or older than the days kept, are deleted (those a
     /// checkpoint, a template or a sandbox builds on are kept; see
@@ -1395,6 +1421,19 @@ fn worker_failed(e: String) -> ApiError {
 /// The idle sweeper: every second, each running sandbox with an idle
 /// timeout that has had no activity for that long, and runs no call, is
 /// put to sleep. A sandbox in a transition is looked at next time.
+/// Retention by age at start and every hour ([`App::retain_by_age`]).
+pub fn retention_sweeper(app: &Arc<App>) {
+    let app = app.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(3600));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            app.retain_by_age().await;
+        }
+    });
+}
+
 pub fn sweeper(app: &Arc<App>) {
     let app = app.clone();
     tokio::spawn(async move {

@@ -479,6 +479,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         app.sweep_orphan_snapshots().await;
         app.collect_garbage().await;
         lifecycle::sweeper(&app);
+        lifecycle::retention_sweeper(&app);
         app.start_uploader();
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
