@@ -3,6 +3,7 @@
 //! which the CLI also runs as `sprout daemon`.
 
 pub mod agent;
+pub mod cli;
 pub mod control;
 pub mod daemon;
 pub mod linux;

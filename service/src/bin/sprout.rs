@@ -25,6 +25,8 @@ use vmm::{DiskConfig, SerialOutput, VmConfig, VsockConfig};
 #[derive(Parser)]
 #[command(name = "sprout", version, about = "Sprout microVM sandboxes")]
 struct Cli {
+    #[command(flatten)]
+    conn: service::cli::Conn,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -41,6 +43,8 @@ enum Cmd {
     Worker(WorkerArgs),
     /// Run sproutd, the sandbox REST service (docs/api.md).
     Daemon(service::daemon::DaemonArgs),
+    #[command(flatten)]
+    Sandbox(service::cli::SandboxCmd),
     /// Send one request to a sproutd and print the answer's body; exits 0
     /// for a 2xx answer, 1 otherwise (the status goes to stderr).
     Api(ApiArgs),
@@ -61,10 +65,6 @@ struct ApiArgs {
     /// Another request header, `NAME: VALUE` (repeatable).
     #[arg(long)]
     header: Vec<String>,
-    /// The API key of a sproutd run with --tenants (sent as
-    /// `Authorization: Bearer KEY`).
-    #[arg(long, env = "SPROUT_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
     /// Print the answer's status line and headers before its body.
     #[arg(short, long)]
     include: bool,
@@ -378,7 +378,7 @@ fn ctl(a: CtlArgs) -> Result<bool> {
     Ok(true)
 }
 
-fn api(a: ApiArgs) -> ExitCode {
+fn api(a: ApiArgs, api_key: Option<&str>) -> ExitCode {
     let method = a.method.to_ascii_uppercase();
     let file_body = match &a.data_file {
         Some(p) => match std::fs::read(p) {
@@ -399,7 +399,7 @@ fn api(a: ApiArgs) -> ExitCode {
     if let Some(acc) = &a.accept {
         headers.push(format!("Accept: {acc}"));
     }
-    if let Some(k) = a.api_key.as_deref().filter(|k| !k.is_empty()) {
+    if let Some(k) = api_key.filter(|k| !k.is_empty()) {
         headers.push(format!("Authorization: Bearer {k}"));
     }
     let req = service::daemon::api_client::Request {
@@ -435,12 +435,13 @@ fn main() -> ExitCode {
     match cli.cmd {
         // sproutd logs with tracing.
         Cmd::Daemon(a) => return service::daemon::main(a),
-        Cmd::Api(a) => return api(a),
+        Cmd::Api(a) => return api(a, cli.conn.api_key.as_deref()),
+        Cmd::Sandbox(c) => return service::cli::main(&cli.conn, c),
         _ => {}
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let res = match cli.cmd {
-        Cmd::Daemon(_) | Cmd::Api(_) => unreachable!("handled above"),
+        Cmd::Daemon(_) | Cmd::Api(_) | Cmd::Sandbox(_) => unreachable!("handled above"),
         Cmd::Vm(VmCmd::Run(a)) => match a.kernel.as_deref() {
             Some(k) if service::linux::is_test_guest(k) => run(a),
             _ => return service::linux::main(a.into_linux()),
