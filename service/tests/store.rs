@@ -466,7 +466,8 @@ async fn of_two_nodes_unarchiving_at_once_one_wins() {
     let claim = |age_ms: u64| {
         s3.boto(&format!(
             "r = json.loads(s3.get_object(Bucket=BUCKET, Key='{key}')['Body'].read())\n\
-             r['claim'] = {{'node': 'node-c', 'atMs': int(time.time() * 1000) - {age_ms}}}\n\
+             r['claim'] = {{'node': 'node-c', 'token': '0b3ae0d4-9f50-4d38-a7a3-1c2b3d4e5f60', \
+                 'atMs': int(time.time() * 1000) - {age_ms}}}\n\
              s3.put_object(Bucket=BUCKET, Key='{key}', Body=json.dumps(r).encode())"
         ))
     };
@@ -489,6 +490,16 @@ async fn of_two_nodes_unarchiving_at_once_one_wins() {
         .await
         .unwrap();
     assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+    // Nor is it deleted meanwhile: whether it is still to be had is known
+    // once C is done.
+    let r = c
+        .delete(a.url(&format!("/v1/runtime/vms/{vm}")))
+        .send()
+        .await
+        .unwrap();
+    let m = assert_error(r, StatusCode::CONFLICT, "invalid_state").await;
+    assert!(m.contains("being unarchived by node node-c"), "{m}");
+    assert!(s3.keys(&format!("default/{vm}/")).await.contains(&key));
 
     // C's claim is older than any unarchive takes: C died. A and B at once.
     claim(20 * 60 * 1000);

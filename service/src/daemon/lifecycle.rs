@@ -769,30 +769,99 @@ impl App {
             }
         };
         let t = Instant::now();
+        // The claim is renewed while the chain downloads and restores
+        // (that may take long), and marked taken (conditionally, again)
+        // before the sandbox is reported running: a node that lost its
+        // claim meanwhile stops what it restored.
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let renewer = {
+            let (a, stop) = (self.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut held = held;
+                loop {
+                    tokio::select! {
+                        () = stop.notified() => return Some(held),
+                        () = tokio::time::sleep(super::mirror::CLAIM_TTL / 3) => {}
+                    }
+                    let Some(m) = a.mirror.as_ref() else {
+                        return Some(held);
+                    };
+                    match m.renew_archive(&held).await {
+                        Ok(Some(h)) => held = h,
+                        Ok(None) => {
+                            tracing::error!(vm = %id, "lost its claim in its archive record");
+                            return None;
+                        }
+                        Err(e) => tracing::warn!(vm = %id, "cannot renew its claim: {e}"),
+                    }
+                }
+            })
+        };
+        let end_renewal = || async {
+            stop.notify_one();
+            renewer.await.ok().flatten()
+        };
         // Starting while it restores: nothing evicts its chain meanwhile.
-        if let Err(e) = self
+        let restored = match self
             .db(move |r| r.set_state(id, State::Starting, None))
             .await
         {
-            release(m, id, held).await;
-            return Err(e);
-        }
-        if let Err(e) = self.restore_into(s, rest, s.hostname.clone()).await {
+            Ok(_) => self.restore_into(s, rest, s.hostname.clone()).await,
+            Err(e) => Err(e),
+        };
+        let held = end_renewal().await;
+        if let Err(e) = restored {
             // Still archived: the store keeps it, another try (here or
             // elsewhere) may work.
             let st = State::Archived;
             let back = self.db(move |r| r.set_state(id, st, None)).await;
-            release(m, id, held).await;
+            if let Some(h) = held {
+                release(m, id, h).await;
+            }
             back?;
             return Err(ApiError::new(
                 e.code,
                 format!("Sandbox {id} stays archived: {}", e.message),
             ));
         }
+        let committed = match &held {
+            Some(h) => m.commit_archive(h).await,
+            None => Ok(None),
+        };
+        if !matches!(committed, Ok(Some(_))) {
+            // Another node took it over (or the store cannot say): it must
+            // not run here too.
+            if let Ok(now) = self.get(id).await {
+                self.free_worker(&now).await;
+            }
+            let st = State::Archived;
+            self.db(move |r| {
+                r.set_worker_opt(id, None)?;
+                r.set_state(id, st, None)
+            })
+            .await?;
+            return Err(match committed {
+                Err(e) => ApiError::new(
+                    Code::StoreFailed,
+                    format!(
+                        "Sandbox {id} stays archived: cannot confirm this node's claim in its \
+                         archive record: {e}"
+                    ),
+                ),
+                _ => ApiError::in_state(
+                    Code::InvalidState,
+                    "archived",
+                    format!(
+                        "Sandbox {id} was taken over by another node while this node restored \
+                         it (its claim was not renewed in time): it runs there, not here"
+                    ),
+                ),
+            });
+        }
         self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
             .await?;
-        // It runs here: its record goes (a failure leaves this node's own
-        // claim in it, which keeps others away until it is stale).
+        // It runs here, and its record says so for good: the record goes
+        // (if that fails, the taken claim keeps every node out).
         if let Err(e) = m.delete_archive(&s.tenant, id).await {
             tracing::warn!(vm = %id, "cannot delete its archive record: {e}");
         }
@@ -1320,12 +1389,19 @@ async fn claim(
              archive alone, then unarchive it again)"
         )));
     }
-    if let Some(c) = held.rec.claimed_by_other(m.node()) {
-        return Err(conflict(format!(
-            "Sandbox {id} is being unarchived by node {} (claimed {} s ago)",
-            c.node,
-            super::now_ms().saturating_sub(c.at_ms) / 1000
-        )));
+    if let Some(c) = held.rec.live_claim(None) {
+        return Err(conflict(if c.taken {
+            format!(
+                "Sandbox {id} was unarchived elsewhere: node {} runs it (delete it here)",
+                c.node
+            )
+        } else {
+            format!(
+                "Sandbox {id} is being unarchived by node {} (its claim renewed {} s ago)",
+                c.node,
+                super::now_ms().saturating_sub(c.at_ms) / 1000
+            )
+        }));
     }
     m.claim_archive(held)
         .await
@@ -1366,7 +1442,9 @@ fn snapshot_homes(root: &Path) -> Vec<PathBuf> {
     };
     let mut out = Vec::new();
     for top in dirs(root) {
-        if is_id(&top) {
+        // The older layout's snapshot: named by its id, holding its `s`
+        // (a tenant's directory holds sandboxes' directories, never `s`).
+        if is_id(&top) && top.join(super::store::SNAPSHOT_SUBDIR).is_dir() {
             out.push(top);
             continue;
         }

@@ -171,7 +171,7 @@ fn parse_pack_header(b: &[u8], size: u64) -> Result<Option<Extents>, String> {
 /// An archived sandbox, as `<tenant>/<vm>/archive.json` holds it: what
 /// another node needs to record it and restore it (its snapshots' objects
 /// are beside their own keys).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct ArchiveRecord {
     version: u32,
@@ -191,16 +191,23 @@ pub struct ArchiveRecord {
 pub struct Claim {
     /// The claiming node's id (`<data dir>/node-id`).
     pub node: String,
-    /// When, in ms since the epoch.
+    /// This claim's own id: one node may try twice at once.
+    pub token: Uuid,
+    /// When it was made or last renewed, in ms since the epoch (the
+    /// claimer renews it every third of [`CLAIM_TTL`] while it restores).
     pub at_ms: u64,
+    /// The claimer restored the sandbox and runs it: the record is about to
+    /// go, and no other node may ever take it over.
+    #[serde(default)]
+    pub taken: bool,
 }
 
-/// A claim older than this is a node that died mid-unarchive: another node
-/// may take the sandbox over. (An unarchive answers in well under it.)
+/// A claim not renewed for this long is a node that died mid-unarchive:
+/// another node may take the sandbox over.
 pub const CLAIM_TTL: Duration = Duration::from_secs(15 * 60);
 
-/// An archive record as read from the store, with the version a change to
-/// it must match.
+/// An archive record as read from the store (or as this node last wrote
+/// it), with the version a change to it must match.
 #[derive(Debug)]
 pub struct Held {
     pub rec: ArchiveRecord,
@@ -213,15 +220,17 @@ impl ArchiveRecord {
         self.sandbox.rest_snapshot_id
     }
 
-    /// The claim on it of a node other than `node` that is still fresh.
-    pub fn claimed_by_other(&self, node: &str) -> Option<&Claim> {
+    /// A claim on it that keeps this node out: another's (not `mine`) that
+    /// is taken, or renewed within [`CLAIM_TTL`].
+    pub fn live_claim(&self, mine: Option<Uuid>) -> Option<&Claim> {
         self.claim.as_ref().filter(|c| {
-            c.node != node && now_ms().saturating_sub(c.at_ms) < CLAIM_TTL.as_millis() as u64
+            Some(c.token) != mine
+                && (c.taken || now_ms().saturating_sub(c.at_ms) < CLAIM_TTL.as_millis() as u64)
         })
     }
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct SandboxRecord {
     id: Uuid,
@@ -240,7 +249,7 @@ struct SandboxRecord {
     rest_snapshot_id: Uuid,
 }
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct SnapRecord {
     id: Uuid,
@@ -715,7 +724,7 @@ impl Mirror {
             e_tag: got.meta.e_tag.clone(),
             version: got.meta.version.clone(),
         };
-        if version.e_tag.is_none() && version.version.is_none() {
+        if version.e_tag.is_none() {
             return Err(format!(
                 "{key} has no ETag: the object store cannot arbitrate between two nodes"
             ));
@@ -733,16 +742,38 @@ impl Mirror {
     }
 
     /// Claims the archived sandbox of `held` for this node: its record
-    /// rewritten with this node's claim, on the condition that it is still
-    /// the version read. `Ok(None)` if it is not (another node changed or
-    /// removed it since).
+    /// rewritten with a new claim of this node's, on the condition that it
+    /// is still the version read. `Ok(None)` if it is not (another node
+    /// changed or removed it since).
     pub async fn claim_archive(&self, held: Held) -> Result<Option<Held>, String> {
         let mut rec = held.rec;
         rec.claim = Some(Claim {
             node: self.node.clone(),
+            token: Uuid::new_v4(),
             at_ms: now_ms(),
+            taken: false,
         });
         self.put_if(rec, held.version).await
+    }
+
+    /// Renews this node's claim in `held` (its time now).
+    pub async fn renew_archive(&self, held: &Held) -> Result<Option<Held>, String> {
+        let mut rec = held.rec.clone();
+        if let Some(c) = rec.claim.as_mut() {
+            c.at_ms = now_ms();
+        }
+        self.put_if(rec, held.version.clone()).await
+    }
+
+    /// Marks this node's claim in `held` taken: it runs the sandbox. `None`
+    /// if the claim was lost meanwhile (then this node must not run it).
+    pub async fn commit_archive(&self, held: &Held) -> Result<Option<Held>, String> {
+        let mut rec = held.rec.clone();
+        if let Some(c) = rec.claim.as_mut() {
+            c.taken = true;
+            c.at_ms = now_ms();
+        }
+        self.put_if(rec, held.version.clone()).await
     }
 
     /// Puts back the record of `held` (claimed by this node) unclaimed,
@@ -756,6 +787,9 @@ impl Mirror {
         }
     }
 
+    /// Writes `rec` if the record is still `version`. A refusal is checked
+    /// against what the store holds: if that is `rec`'s own claim (a retry
+    /// of a write that landed, whose answer was lost), it stands.
     async fn put_if(
         &self,
         rec: ArchiveRecord,
@@ -774,7 +808,12 @@ impl Mirror {
             })),
             Err(
                 object_store::Error::Precondition { .. } | object_store::Error::NotFound { .. },
-            ) => Ok(None),
+            ) => {
+                let now = self
+                    .get_archive(&rec.sandbox.tenant, rec.sandbox.id)
+                    .await?;
+                Ok(now.filter(|h| h.rec.claim.is_some() && h.rec.claim == rec.claim))
+            }
             Err(e) => Err(format!("Cannot update {key}: {}", chain(&e))),
         }
     }

@@ -893,25 +893,50 @@ async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
     {
         // Its record goes first: no node may bring back what is deleted.
         // It is claimed first (as an unarchive would), so an unarchive on
-        // another node either wins the record or finds it gone. If the
-        // record is gone, another node's claim is in it, or it names
-        // another rest snapshot, another node has the sandbox (or archived
-        // it again) on these objects: they are that node's, not deleted
+        // another node either wins the record or finds it gone; while
+        // another node's claim is live, the delete waits (409). If the
+        // record is gone, another node has taken it, or it names another
+        // rest snapshot, another node has the sandbox (or archived it
+        // again) on these objects: they are that node's, not deleted
         // here.
         let here = m
             .get_archive(&s.tenant, vm)
             .await
             .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
         let ours = match here {
-            Some(h)
-                if h.rec.rest_snapshot_id() == rest
-                    && h.rec.claimed_by_other(m.node()).is_none() =>
-            {
-                m.claim_archive(h)
-                    .await
-                    .map_err(|e| ApiError::new(Code::StoreFailed, e))?
-                    .is_some()
-            }
+            Some(h) if h.rec.rest_snapshot_id() == rest => match h.rec.live_claim(None) {
+                // Another node is bringing it back: whether it is still to be
+                // had is known only once that node is done.
+                Some(c) if !c.taken => {
+                    return Err(ApiError::in_state(
+                        Code::InvalidState,
+                        "archived",
+                        format!(
+                            "Sandbox {vm} is being unarchived by node {}: delete it once that \
+                             is done (there, if it runs there)",
+                            c.node
+                        ),
+                    ))
+                }
+                Some(_) => false,
+                None => {
+                    let won = m
+                        .claim_archive(h)
+                        .await
+                        .map_err(|e| ApiError::new(Code::StoreFailed, e))?;
+                    if won.is_none() {
+                        return Err(ApiError::in_state(
+                            Code::InvalidState,
+                            "archived",
+                            format!(
+                                "Sandbox {vm}'s archive record changed while this node deleted \
+                                 it (another node is unarchiving it): try again"
+                            ),
+                        ));
+                    }
+                    true
+                }
+            },
             _ => false,
         };
         if ours {

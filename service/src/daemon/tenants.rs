@@ -260,6 +260,8 @@ fn read(path: &Path) -> Result<Table, TenantsError> {
 fn valid_name(n: &str) -> bool {
     (1..=64).contains(&n.len())
         && n.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric())
+        // Not a snapshot's directory name of the older layout either.
+        && uuid::Uuid::parse_str(n).is_err()
         && n.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
@@ -276,7 +278,8 @@ fn parse(text: &str) -> Result<Table, String> {
     for e in file.tenant {
         if !valid_name(&e.name) {
             return Err(format!(
-                "tenant name {:?}: 1-64 of a-z, 0-9, - and _, starting with a letter or digit",
+                "tenant name {:?}: 1-64 of a-z, 0-9, - and _, starting with a letter or digit, \
+                 and not a UUID",
                 e.name
             ));
         }
@@ -557,6 +560,10 @@ mod tests {
             ("[[tenant]]\nname = \"\"\n", "tenant name"),
             ("[[tenant]]\nname = \"_sproutd\"\n", "tenant name"),
             ("[[tenant]]\nname = \"-a\"\n", "tenant name"),
+            (
+                "[[tenant]]\nname = \"0123456789abcdef0123456789abcdef\"\n",
+                "tenant name",
+            ),
             ("[[tenant]]\nname = \"a\"\nslot = 1\n", "unknown field"),
             (
                 "[[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"a\"\n",
