@@ -12,6 +12,9 @@
 //! sprout worker --socket PATH [...]              run as a worker (sprout-worker)
 //! sprout daemon [--listen ADDR] [--data-dir DIR]  run sproutd, the REST service
 //! sprout api [--addr HOST:PORT] METHOD PATH [BODY]  one request to a sproutd
+//! sprout [--url URL] [--json] create|ls|get|exec|pause|resume|sleep|
+//!        hibernate|wake|reboot|snapshot|fork|checkpoint|rm ...
+//!                                                the sandbox commands (docs/cli.md)
 //! ```
 
 use std::io::IsTerminal;
