@@ -458,20 +458,10 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
                     })
                 }
                 CheckpointCmd::Restore { checkpoint } => {
-                    let v = api.call(
-                        "POST",
-                        &format!("{cps}/{}/restore", seg(&checkpoint)?),
-                        Some(json!({})),
-                    )?;
-                    show(&v, vm_detail)
+                    post_show(&api, conn, &format!("{cps}/{}/restore", seg(&checkpoint)?))
                 }
                 CheckpointCmd::Spawn { checkpoint } => {
-                    let v = api.call(
-                        "POST",
-                        &format!("{cps}/{}/spawn", seg(&checkpoint)?),
-                        Some(json!({})),
-                    )?;
-                    show(&v, vm_detail)
+                    post_show(&api, conn, &format!("{cps}/{}/spawn", seg(&checkpoint)?))
                 }
                 CheckpointCmd::Rm { checkpoint } => {
                     let v = api.call("DELETE", &format!("{cps}/{}", seg(&checkpoint)?), None)?;
@@ -484,11 +474,13 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
 
 /// A rest-state operation: prints the sandbox after it.
 fn op(api: &Api, conn: &Conn, id: &str, what: &str) -> Result<ExitCode, Failure> {
-    let v = api.call(
-        "POST",
-        &format!("/v1/runtime/vms/{}/{what}", seg(id)?),
-        Some(json!({})),
-    )?;
+    post_show(api, conn, &format!("/v1/runtime/vms/{}/{what}", seg(id)?))
+}
+
+/// POSTs `{}` to `path` and prints the sandbox it answers with (a wake's
+/// answer holds it in `vm`).
+fn post_show(api: &Api, conn: &Conn, path: &str) -> Result<ExitCode, Failure> {
+    let v = api.call("POST", path, Some(json!({})))?;
     if conn.json {
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     } else if v["vm"].is_object() {

@@ -29,6 +29,18 @@ async fn snapshot(c: &Client, d: &Daemon, vm: &str) -> String {
     v["snapshotId"].as_str().unwrap().to_owned()
 }
 
+/// Takes checkpoint `name` of `vm`.
+async fn checkpoint(c: &Client, d: &Daemon, vm: &str, name: &str) {
+    let r = post(
+        c,
+        d,
+        &format!("/v1/runtime/vms/{vm}/checkpoints"),
+        json!({ "name": name }),
+    )
+    .await;
+    assert_eq!(r.status(), 201, "{}", Daemon::log(&d.data_dir));
+}
+
 /// Waits until snapshot `id` is `durable`.
 async fn durable(c: &Client, d: &Daemon, id: &str) {
     let t = Instant::now();
@@ -155,14 +167,7 @@ async fn retention_keeps_three_and_what_a_checkpoint_builds_on() {
     let c = Client::new();
     let (vm, _) = schedule_testguest(&c, &d).await;
     let s1 = snapshot(&c, &d, &vm).await;
-    let r = post(
-        &c,
-        &d,
-        &format!("/v1/runtime/vms/{vm}/checkpoints"),
-        json!({"name": "on s1"}),
-    )
-    .await;
-    assert_eq!(r.status(), 201);
+    checkpoint(&c, &d, &vm, "on s1").await;
     let mut later = Vec::new();
     for _ in 0..4 {
         later.push(snapshot(&c, &d, &vm).await);
@@ -204,14 +209,7 @@ async fn snapshots_past_keep_days_go_without_a_new_snapshot() {
     let c = Client::new();
     let (vm, _) = schedule_testguest(&c, &d).await;
     let kept = snapshot(&c, &d, &vm).await;
-    let r = post(
-        &c,
-        &d,
-        &format!("/v1/runtime/vms/{vm}/checkpoints"),
-        json!({"name": "on kept"}),
-    )
-    .await;
-    assert_eq!(r.status(), 201);
+    checkpoint(&c, &d, &vm, "on kept").await;
     let old = snapshot(&c, &d, &vm).await;
     let new = snapshot(&c, &d, &vm).await;
     d.stop();
