@@ -69,6 +69,85 @@ pub enum SandboxCmd {
     /// Checkpoints: named snapshots of a sandbox.
     #[command(subcommand)]
     Checkpoint(CheckpointCmd),
+    /// Copy a file into a sandbox (`cp LOCAL ID:PATH`) or out of one (`cp
+    /// ID:PATH LOCAL`); `-` is stdin or stdout. Any size, streamed.
+    Cp(CpArgs),
+    /// A sandbox's files (beneath /workspace).
+    #[command(subcommand)]
+    Files(FilesCmd),
+    /// List a sandbox's background processes.
+    Ps(Id),
+    /// Attach to a background process: its kept output, then its live
+    /// output to its end; exits with its status.
+    Attach(AttachArgs),
+    /// Send a signal to a background process (its whole process group).
+    Kill(KillArgs),
+}
+
+#[derive(Args)]
+pub struct CpArgs {
+    /// What to copy: a local file, `-` (stdin), or `ID:PATH`.
+    pub src: String,
+    /// Where to: a local file or directory, `-` (stdout), or `ID:PATH` (a
+    /// PATH that is a directory, or ends in `/`, gets the source's name).
+    pub dst: String,
+    /// Show progress even when stderr is not a terminal (a line per 10%).
+    #[arg(long)]
+    pub progress: bool,
+}
+
+#[derive(Subcommand)]
+pub enum FilesCmd {
+    /// List a directory (default: /workspace).
+    Ls {
+        /// The sandbox.
+        id: String,
+        /// The directory, relative to /workspace or absolute beneath it.
+        #[arg(default_value = ".")]
+        path: String,
+    },
+    /// Make a directory.
+    Mkdir {
+        /// The sandbox.
+        id: String,
+        /// The directory.
+        path: String,
+        /// Make its parents too, and do not mind if it exists.
+        #[arg(short, long)]
+        parents: bool,
+    },
+    /// Delete a file or an empty directory.
+    Rm {
+        /// The sandbox.
+        id: String,
+        /// The path.
+        path: String,
+        /// A directory and everything in it.
+        #[arg(short, long)]
+        recursive: bool,
+    },
+}
+
+#[derive(Args)]
+pub struct AttachArgs {
+    /// The sandbox.
+    pub id: String,
+    /// The process's exec id (`sprout ps` lists them).
+    pub exec_id: u64,
+    /// Only the events after this event id (default: every kept one).
+    #[arg(long, value_name = "EVENT_ID")]
+    pub after: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct KillArgs {
+    /// The sandbox.
+    pub id: String,
+    /// The process's exec id.
+    pub exec_id: u64,
+    /// A signal name (TERM, KILL, INT, HUP, ...) or number.
+    #[arg(short, long, default_value = "TERM")]
+    pub signal: String,
 }
 
 #[derive(Subcommand)]
@@ -166,6 +245,14 @@ pub struct ExecArgs {
     /// Kill it (and its children) after this many seconds.
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<u64>,
+    /// Start it in the background and print its exec id (`sprout attach`
+    /// follows it, `sprout kill` signals it).
+    #[arg(short = 'd', long)]
+    pub background: bool,
+    /// With --background: keep its stdin open for later writes through the
+    /// API (`POST .../processes/{execId}/stdin`).
+    #[arg(long, requires = "background")]
+    pub stdin_open: bool,
     /// The program and its arguments (after `--`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<String>,
@@ -188,6 +275,7 @@ impl<E: std::fmt::Display> From<E> for Failure {
 }
 
 /// One client of one sproutd.
+#[derive(Clone)]
 struct Api {
     addr: String,
     key: Option<String>,
@@ -428,6 +516,31 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
             })
         }
         SandboxCmd::Exec(a) => exec(&api, conn, a),
+        SandboxCmd::Cp(a) => cp(&api, conn, a),
+        SandboxCmd::Files(f) => files(&api, conn, f),
+        SandboxCmd::Ps(a) => {
+            let v = api.call("GET", &format!("{vms}/{}/processes", seg(&a.id)?), None)?;
+            show(&v, ps_table)
+        }
+        SandboxCmd::Attach(a) => attach(&api, conn, &a.id, a.exec_id, a.after),
+        SandboxCmd::Kill(a) => {
+            let signal = match a.signal.parse::<i64>() {
+                Ok(n) => json!(n),
+                Err(_) => json!(a.signal),
+            };
+            let v = api.call(
+                "POST",
+                &format!("{vms}/{}/processes/{}/signal", seg(&a.id)?, a.exec_id),
+                Some(json!({ "signal": signal })),
+            )?;
+            show(&v, |v| {
+                format!(
+                    "sent signal {} to exec {}\n",
+                    str_of(&v["signal"]),
+                    str_of(&v["execId"])
+                )
+            })
+        }
         SandboxCmd::Checkpoint(c) => {
             let cps = "/v1/runtime/checkpoints";
             match c {
@@ -499,10 +612,19 @@ fn post_show(api: &Api, conn: &Conn, path: &str) -> Result<ExitCode, Failure> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Piped stdin up to this size goes in the exec's request (the command
+/// then runs as a streamed exec, killed if sprout goes away); a longer one
+/// is streamed to a background process as it is read.
+const INLINE_STDIN: usize = 256 * 1024;
+
+/// Each write of a streamed stdin (base64 in a JSON body under 1 MiB).
+const STDIN_CHUNK: usize = 256 * 1024;
+
 /// `sprout exec`: a streamed exec (Server-Sent Events), its stdout and
 /// stderr written as they come; exits with the command's status (128 +
 /// signal when a signal ended it).
 fn exec(api: &Api, conn: &Conn, a: ExecArgs) -> Result<ExitCode, Failure> {
+    let id = seg(&a.id)?.to_owned();
     let mut it = a.command.into_iter();
     let command = it.next().ok_or_else(|| Failure("no command".into()))?;
     let mut body = json!({ "command": command, "argv": it.collect::<Vec<_>>() });
@@ -515,26 +637,52 @@ fn exec(api: &Api, conn: &Conn, a: ExecArgs) -> Result<ExitCode, Failure> {
     if let Some(t) = a.timeout {
         body["timeoutMs"] = json!(t.saturating_mul(1000));
     }
+    let path = format!("/v1/runtime/vms/{id}/exec");
     let stdin = std::io::stdin();
-    if !stdin.is_terminal() {
-        let mut input = Vec::new();
+    let piped = !stdin.is_terminal() && !a.stdin_open;
+    // The first INLINE_STDIN + 1 bytes of a piped stdin tell a short one
+    // (sent whole with the request) from a long or endless one (streamed).
+    let mut head = Vec::new();
+    if piped {
         stdin
             .lock()
-            .read_to_end(&mut input)
+            .take(INLINE_STDIN as u64 + 1)
+            .read_to_end(&mut head)
             .map_err(|e| Failure(format!("reading stdin: {e}")))?;
-        if !input.is_empty() {
-            match String::from_utf8(input) {
-                Ok(s) => body["stdin"] = json!(s),
-                Err(e) => {
-                    use base64::Engine as _;
-                    body["stdin"] =
-                        json!(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()));
-                    body["stdinBase64"] = json!(true);
-                }
+    }
+    let streamed_stdin = head.len() > INLINE_STDIN;
+    if !head.is_empty() && !streamed_stdin {
+        put_stdin(&mut body, head.clone());
+    }
+    if a.background {
+        if streamed_stdin {
+            return Err(Failure(format!(
+                "a background command's stdin is at most {} KiB here (use --stdin-open and \
+                 write the rest through the API)",
+                INLINE_STDIN / 1024
+            )));
+        }
+        body["background"] = json!(true);
+        body["stdinOpen"] = json!(a.stdin_open);
+        let v = api.call("POST", &path, Some(body))?;
+        if conn.json {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        } else {
+            println!("{}", str_of(&v["execId"]));
+            if std::io::stderr().is_terminal() {
+                eprintln!(
+                    "sprout: started exec {} (pid {}); follow it with `sprout attach {id} {}`",
+                    str_of(&v["execId"]),
+                    str_of(&v["pid"]),
+                    str_of(&v["execId"])
+                );
             }
         }
+        return Ok(ExitCode::SUCCESS);
     }
-    let path = format!("/v1/runtime/vms/{}/exec", seg(&a.id)?);
+    if streamed_stdin {
+        return exec_streaming_stdin(api, conn, &id, body, head);
+    }
     let headers = api.headers(&["Accept: text/event-stream"]);
     let text = body.to_string();
     let mut sink = Sse::new(conn.json);
@@ -557,6 +705,194 @@ fn exec(api: &Api, conn: &Conn, a: ExecArgs) -> Result<ExitCode, Failure> {
     sink.finish()
 }
 
+/// Puts `input` in an exec request's `stdin` (base64 when not UTF-8).
+fn put_stdin(body: &mut Value, input: Vec<u8>) {
+    match String::from_utf8(input) {
+        Ok(s) => body["stdin"] = json!(s),
+        Err(e) => {
+            use base64::Engine as _;
+            body["stdin"] = json!(base64::engine::general_purpose::STANDARD.encode(e.into_bytes()));
+            body["stdinBase64"] = json!(true);
+        }
+    }
+}
+
+/// An exec whose piped stdin is long (or endless): the command starts as a
+/// background process with its stdin open, a thread writes stdin to it as
+/// it is read (end of file closes it), and sprout attaches to its output.
+/// Ctrl-C sends it SIGINT (a second one SIGKILL), since going away would
+/// not end a background process.
+fn exec_streaming_stdin(
+    api: &Api,
+    conn: &Conn,
+    id: &str,
+    mut body: Value,
+    head: Vec<u8>,
+) -> Result<ExitCode, Failure> {
+    body["background"] = json!(true);
+    body["stdinOpen"] = json!(true);
+    let v = api.call("POST", &format!("/v1/runtime/vms/{id}/exec"), Some(body))?;
+    let exec_id = v["execId"]
+        .as_u64()
+        .ok_or_else(|| Failure(format!("sproutd's answer has no execId: {v}")))?;
+    let procs = format!("/v1/runtime/vms/{id}/processes/{exec_id}");
+    let feeder = {
+        let api = api.clone();
+        let path = format!("{procs}/stdin");
+        std::thread::spawn(move || feed_stdin(&api, &path, head))
+    };
+    {
+        let api = api.clone();
+        let path = format!("{procs}/signal");
+        std::thread::spawn(move || forward_interrupts(&api, &path));
+    }
+    let code = attach(api, conn, id, exec_id, None);
+    // The command has ended: whatever is left of stdin is not wanted.
+    drop(feeder);
+    code
+}
+
+/// Writes `head` then the rest of stdin to a background process, then
+/// closes its stdin. A process that no longer reads (it ended, or closed
+/// its stdin) stops the writing quietly, as a broken pipe would.
+fn feed_stdin(api: &Api, path: &str, head: Vec<u8>) {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut stdin = std::io::stdin().lock();
+    let mut pending = head;
+    loop {
+        let mut buf = Vec::with_capacity(STDIN_CHUNK);
+        let eof = match (&mut stdin).take(STDIN_CHUNK as u64).read_to_end(&mut buf) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => {
+                eprintln!("sprout: reading stdin: {e}; closing the command's stdin");
+                true
+            }
+        };
+        let send = std::mem::replace(&mut pending, buf);
+        for piece in send.chunks(STDIN_CHUNK) {
+            let r = api.call(
+                "POST",
+                path,
+                Some(json!({ "data": b64.encode(piece), "base64": true })),
+            );
+            if let Err(Failure(m)) = r {
+                if !m.contains("(stdin_closed,") && !m.contains("(process_not_found,") {
+                    eprintln!("sprout: writing the command's stdin: {m}");
+                }
+                return;
+            }
+        }
+        if eof {
+            let rest = std::mem::take(&mut pending);
+            let r = api.call(
+                "POST",
+                path,
+                Some(json!({ "data": b64.encode(rest), "base64": true, "close": true })),
+            );
+            if let Err(Failure(m)) = r {
+                if !m.contains("(stdin_closed,") && !m.contains("(process_not_found,") {
+                    eprintln!("sprout: closing the command's stdin: {m}");
+                }
+            }
+            return;
+        }
+    }
+}
+
+/// On Ctrl-C (or SIGTERM), signals the background process at `path`:
+/// INT the first time, KILL after that.
+fn forward_interrupts(api: &Api, path: &str) {
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return;
+    };
+    rt.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut int), Ok(mut term)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        let mut sig = "INT";
+        loop {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
+            let api = api.clone();
+            let path = path.to_owned();
+            let s = sig;
+            // (A blocking call, off the signal loop.)
+            let _ = tokio::task::spawn_blocking(move || {
+                api.call("POST", &path, Some(json!({ "signal": s })))
+            })
+            .await;
+            sig = "KILL";
+        }
+    });
+}
+
+/// `sprout attach`: a background process's events (after `after`), its
+/// output written as it comes; exits with its status. A stream that breaks
+/// before the exit is re-attached from the last event seen (the process
+/// runs on regardless), a few times.
+fn attach(
+    api: &Api,
+    conn: &Conn,
+    id: &str,
+    exec_id: u64,
+    after: Option<u64>,
+) -> Result<ExitCode, Failure> {
+    let path = format!("/v1/runtime/vms/{}/processes/{exec_id}/events", seg(id)?);
+    let mut sink = Sse::new(conn.json);
+    sink.last_id = after;
+    let mut retries = 0;
+    loop {
+        let mut extra = vec!["Accept: text/event-stream".to_owned()];
+        if let Some(l) = sink.last_id {
+            extra.push(format!("Last-Event-ID: {l}"));
+        }
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let headers = api.headers(&extra);
+        sink.raw.clear();
+        sink.line.clear();
+        sink.event.clear();
+        sink.data.clear();
+        sink.id = None;
+        let r = request(
+            &Request {
+                addr: &api.addr,
+                method: "GET",
+                path: &path,
+                body: None,
+                headers: &headers,
+                include: false,
+                timeout: TIMEOUT,
+            },
+            &mut sink,
+        );
+        match r {
+            Ok(status) if !(200..300).contains(&status) => {
+                answer(status, &sink.raw)?;
+            }
+            Err(e @ ApiClientError::Connect(..)) if retries == 0 => {
+                return Err(api.connect_error(e));
+            }
+            _ => {}
+        }
+        if sink.exit.is_some() || sink.error.is_some() || retries >= 5 {
+            return sink.finish();
+        }
+        retries += 1;
+        std::thread::sleep(Duration::from_millis(500 * retries));
+    }
+}
+
 /// Reads a `text/event-stream` body as it arrives: `stdout` and `stderr`
 /// events are written out at once, `exit` and `error` are kept.
 struct Sse {
@@ -567,6 +903,10 @@ struct Sse {
     data: String,
     exit: Option<Value>,
     error: Option<Value>,
+    /// The id of the last event dispatched (to re-attach after it).
+    last_id: Option<u64>,
+    /// The id of the event being read.
+    id: Option<u64>,
     /// The whole body, for an answer that is not a stream (an error).
     raw: Vec<u8>,
 }
@@ -580,6 +920,8 @@ impl Sse {
             data: String::new(),
             exit: None,
             error: None,
+            last_id: None,
+            id: None,
             raw: Vec::new(),
         }
     }
@@ -588,6 +930,13 @@ impl Sse {
         let data: Value = serde_json::from_str(&self.data).unwrap_or(Value::Null);
         let event = std::mem::take(&mut self.event);
         self.data.clear();
+        if let Some(id) = self.id.take() {
+            // A replayed event already seen (a re-attach) is not shown twice.
+            if self.last_id.is_some_and(|l| id <= l) {
+                return;
+            }
+            self.last_id = Some(id);
+        }
         if self.json {
             println!("{}", json!({ "event": event, "data": data }));
             let _ = std::io::stdout().flush();
@@ -612,6 +961,13 @@ impl Sse {
                     let _ = e.write_all(&bytes).and_then(|()| e.flush());
                 }
             }
+            "gap" if !self.json => eprintln!(
+                "sprout: events {}-{} of its output were dropped before they were read \
+                 ({} bytes)",
+                str_of(&data["firstEventId"]),
+                str_of(&data["lastEventId"]),
+                str_of(&data["bytes"])
+            ),
             "exit" => self.exit = Some(data),
             "error" => self.error = Some(data),
             _ => {}
@@ -661,6 +1017,8 @@ impl Sse {
             }
         } else if let Some(v) = l.strip_prefix("event:") {
             self.event = v.trim().to_owned();
+        } else if let Some(v) = l.strip_prefix("id:") {
+            self.id = v.trim().parse().ok();
         } else if let Some(v) = l.strip_prefix("data:") {
             if !self.data.is_empty() {
                 self.data.push('\n');
@@ -690,6 +1048,524 @@ impl Write for Sse {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// One side of a `sprout cp`.
+#[derive(Debug, PartialEq)]
+enum Loc {
+    /// `-`: stdin or stdout.
+    Std,
+    Local(std::path::PathBuf),
+    Remote {
+        id: String,
+        path: String,
+    },
+}
+
+/// `ID:PATH` is a sandbox's file (an `ID` has no `/`: a local name with a
+/// colon is `./a:b`); `-` is stdin or stdout; anything else a local path.
+fn loc(s: &str) -> Loc {
+    if s == "-" {
+        return Loc::Std;
+    }
+    match s.split_once(':') {
+        Some((id, path)) if !id.is_empty() && !id.contains('/') => Loc::Remote {
+            id: id.to_owned(),
+            path: path.to_owned(),
+        },
+        _ => Loc::Local(s.into()),
+    }
+}
+
+/// The last component of a path (`None` for `.`, `/`, `a/..`).
+fn base_name(p: &str) -> Option<&str> {
+    let b = p.trim_end_matches('/').rsplit('/').next()?;
+    (!b.is_empty() && b != "." && b != "..").then_some(b)
+}
+
+/// Files at least this long get a progress bar on a terminal.
+const PROGRESS_MIN: u64 = 1 << 20;
+
+/// Progress of one transfer on stderr: a bar redrawn on a terminal, or
+/// (`--progress` elsewhere) a line at each tenth.
+struct Progress {
+    label: String,
+    total: Option<u64>,
+    done: u64,
+    tty: bool,
+    on: bool,
+    started: std::time::Instant,
+    drawn: std::time::Instant,
+    /// The next tenth (or 8 MiB step, size unknown) to print a line at.
+    next_line: u64,
+}
+
+impl Progress {
+    fn new(label: String, total: Option<u64>, forced: bool, json: bool) -> Progress {
+        let tty = std::io::stderr().is_terminal();
+        let big = total.is_none_or(|t| t >= PROGRESS_MIN);
+        let now = std::time::Instant::now();
+        Progress {
+            label,
+            total,
+            done: 0,
+            tty,
+            on: forced || (tty && big && !json),
+            started: now,
+            drawn: now,
+            next_line: 1,
+        }
+    }
+
+    fn add(&mut self, n: usize) {
+        self.done += n as u64;
+        if !self.on {
+            return;
+        }
+        if self.tty {
+            if self.drawn.elapsed() >= Duration::from_millis(100) {
+                self.drawn = std::time::Instant::now();
+                self.draw("\r");
+            }
+            return;
+        }
+        let step = match self.total {
+            Some(t) if t > 0 => self.done * 10 / t,
+            _ => self.done / (8 << 20),
+        };
+        if step >= self.next_line {
+            self.next_line = step + 1;
+            self.draw("");
+            eprintln!();
+        }
+    }
+
+    fn draw(&self, prefix: &str) {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let secs = self.started.elapsed().as_secs_f64().max(1e-3);
+        let rate = mib(self.done) / secs;
+        let line = match self.total {
+            Some(t) if t > 0 => {
+                let filled = (self.done.min(t) * 30 / t) as usize;
+                format!(
+                    "{} [{}{}] {:5.1}% {:.1}/{:.1} MiB {:.1} MiB/s",
+                    self.label,
+                    "#".repeat(filled),
+                    " ".repeat(30 - filled),
+                    self.done.min(t) as f64 * 100.0 / t as f64,
+                    mib(self.done),
+                    mib(t),
+                    rate
+                )
+            }
+            _ => format!("{} {:.1} MiB {:.1} MiB/s", self.label, mib(self.done), rate),
+        };
+        let mut e = std::io::stderr();
+        let _ = write!(e, "{prefix}{line}");
+        let _ = e.flush();
+    }
+
+    fn finish(&mut self) {
+        if self.on && self.tty {
+            self.draw("\r");
+            eprintln!();
+        } else if self.on && self.next_line <= 10 {
+            self.draw("");
+            eprintln!();
+        }
+    }
+}
+
+/// A reader that counts into a shared [`Progress`].
+struct Counted<R> {
+    inner: R,
+    progress: std::sync::Arc<std::sync::Mutex<Progress>>,
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if let Ok(mut p) = self.progress.lock() {
+            p.add(n);
+        }
+        Ok(n)
+    }
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        if let Ok(mut p) = self.progress.lock() {
+            p.add(n);
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// `sprout cp`: one file into or out of a sandbox, streamed (files/raw).
+fn cp(api: &Api, conn: &Conn, a: CpArgs) -> Result<ExitCode, Failure> {
+    let v = match (loc(&a.src), loc(&a.dst)) {
+        (Loc::Remote { .. }, Loc::Remote { .. }) => {
+            return Err(Failure(
+                "both sides are sandboxes: copy to a local file first".into(),
+            ))
+        }
+        (Loc::Remote { id, path }, to) => download(api, conn, &a, &id, &path, to)?,
+        (from, Loc::Remote { id, path }) => upload(api, conn, &a, from, &id, &path)?,
+        _ => {
+            return Err(Failure(format!(
+                "neither {:?} nor {:?} is in a sandbox (ID:PATH)",
+                a.src, a.dst
+            )))
+        }
+    };
+    if conn.json {
+        println!("{v}");
+    } else if std::io::stderr().is_terminal() {
+        eprintln!(
+            "sprout: copied {} bytes to {}",
+            str_of(&v["bytes"]),
+            str_of(&v["to"])
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn files_path(id: &str, what: &str, path: &str) -> Result<String, Failure> {
+    Ok(format!(
+        "/v1/runtime/vms/{}/files{what}?path={}",
+        seg(id)?,
+        encode(path)
+    ))
+}
+
+/// Whether `path` in sandbox `id` is a directory (false when it is missing
+/// or a file).
+fn remote_dir(api: &Api, id: &str, path: &str) -> Result<bool, Failure> {
+    match api.call("GET", &files_path(id, "", path)?, None) {
+        Ok(_) => Ok(true),
+        Err(Failure(m)) if m.contains("(file_not_found,") || m.contains("(file_conflict,") => {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn upload(
+    api: &Api,
+    conn: &Conn,
+    a: &CpArgs,
+    from: Loc,
+    id: &str,
+    path: &str,
+) -> Result<Value, Failure> {
+    let (file, name) = match &from {
+        Loc::Local(p) => {
+            let f = std::fs::File::open(p).map_err(|e| Failure(format!("{}: {e}", p.display())))?;
+            let m = f
+                .metadata()
+                .map_err(|e| Failure(format!("{}: {e}", p.display())))?;
+            if !m.is_file() {
+                return Err(Failure(format!(
+                    "{}: not a regular file (cp copies one file)",
+                    p.display()
+                )));
+            }
+            (f, p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        }
+        // stdin has no length: spooled to an unlinked temporary file first.
+        _ => (spool_stdin()?, None),
+    };
+    let len = file
+        .metadata()
+        .map_err(|e| Failure(format!("{}: {e}", a.src)))?
+        .len();
+    let dir_like = path.is_empty() || path.ends_with('/');
+    let target = if dir_like || remote_dir(api, id, path)? {
+        let name = name.ok_or_else(|| {
+            Failure(format!(
+                "{id}:{path} is a directory: name the file to write (ID:DIR/NAME)"
+            ))
+        })?;
+        let dir = if path.is_empty() { "." } else { path };
+        format!("{}/{name}", dir.trim_end_matches('/'))
+    } else {
+        path.to_owned()
+    };
+    let progress = std::sync::Arc::new(std::sync::Mutex::new(Progress::new(
+        format!("{} -> {id}:{target}", a.src),
+        Some(len),
+        a.progress,
+        conn.json,
+    )));
+    let upload = crate::daemon::api_client::Upload {
+        reader: Box::new(Counted {
+            inner: std::io::BufReader::with_capacity(256 * 1024, file),
+            progress: progress.clone(),
+        }),
+        len,
+        content_type: "application/octet-stream".into(),
+    };
+    let headers = api.headers(&[]);
+    let ans = crate::daemon::api_client::open(
+        &Request {
+            addr: &api.addr,
+            method: "PUT",
+            path: &files_path(id, "/raw", &target)?,
+            body: None,
+            headers: &headers,
+            include: false,
+            timeout: TIMEOUT,
+        },
+        Some(upload),
+    )
+    .map_err(|e| api.connect_error(e))?;
+    let status = ans.status;
+    let mut out = Vec::new();
+    let copied = ans.copy_to(&mut out);
+    if let Ok(mut p) = progress.lock() {
+        p.finish();
+    }
+    copied.map_err(|e| api.connect_error(e))?;
+    let v = answer(status, &out)?;
+    if v["bytes"].as_u64() != Some(len) {
+        return Err(Failure(format!(
+            "sproutd wrote {} bytes of {id}:{target}, not the {len} sent",
+            str_of(&v["bytes"])
+        )));
+    }
+    Ok(json!({ "from": a.src, "to": format!("{id}:{target}"), "bytes": len }))
+}
+
+/// Copies stdin into a temporary file already unlinked; it, rewound.
+fn spool_stdin() -> Result<std::fs::File, Failure> {
+    use std::io::Seek as _;
+    let dir = std::env::temp_dir();
+    let p = dir.join(format!(
+        ".sprout-stdin-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    ));
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&p)
+        .map_err(|e| Failure(format!("a temporary file in {}: {e}", dir.display())))?;
+    let _ = std::fs::remove_file(&p);
+    std::io::copy(&mut std::io::stdin().lock(), &mut f)
+        .map_err(|e| Failure(format!("reading stdin: {e}")))?;
+    f.rewind()
+        .map_err(|e| Failure(format!("a temporary file: {e}")))?;
+    Ok(f)
+}
+
+/// The size of the file at `path` in sandbox `id`, from its directory's
+/// listing (for the progress bar; `None` when the listing does not say).
+fn remote_size(api: &Api, id: &str, path: &str) -> Option<u64> {
+    let name = base_name(path)?;
+    let parent = match path.trim_end_matches('/').rsplit_once('/') {
+        Some(("", _)) => "/",
+        Some((p, _)) => p,
+        None => ".",
+    };
+    let v = api
+        .call("GET", &files_path(id, "", parent).ok()?, None)
+        .ok()?;
+    v["entries"]
+        .as_array()?
+        .iter()
+        .find(|e| e["name"] == name && e["type"] == "file")
+        .and_then(|e| e["size"].as_u64())
+}
+
+fn download(
+    api: &Api,
+    conn: &Conn,
+    a: &CpArgs,
+    id: &str,
+    path: &str,
+    to: Loc,
+) -> Result<Value, Failure> {
+    let name = base_name(path);
+    let headers = api.headers(&[]);
+    let req_path = files_path(id, "/raw", path)?;
+    let req = Request {
+        addr: &api.addr,
+        method: "GET",
+        path: &req_path,
+        body: None,
+        headers: &headers,
+        include: false,
+        timeout: TIMEOUT,
+    };
+    let dest = match &to {
+        Loc::Local(p) if p.is_dir() || a.dst.ends_with('/') => {
+            let name = name.ok_or_else(|| Failure(format!("{id}:{path} names no file")))?;
+            Some(p.join(name))
+        }
+        Loc::Local(p) => Some(p.clone()),
+        _ => None,
+    };
+    let total = if a.progress || std::io::stderr().is_terminal() {
+        remote_size(api, id, path)
+    } else {
+        None
+    };
+    let shown = match &dest {
+        Some(d) => d.display().to_string(),
+        None => "-".into(),
+    };
+    let progress = std::sync::Arc::new(std::sync::Mutex::new(Progress::new(
+        format!("{id}:{path} -> {shown}"),
+        total,
+        a.progress,
+        conn.json,
+    )));
+    let ans = crate::daemon::api_client::open(&req, None).map_err(|e| api.connect_error(e))?;
+    if !(200..300).contains(&ans.status) {
+        let status = ans.status;
+        let mut out = Vec::new();
+        ans.copy_to(&mut out).map_err(|e| api.connect_error(e))?;
+        answer(status, &out)?;
+        return Err(Failure(format!("HTTP {status}")));
+    }
+    let bytes = match &dest {
+        None => {
+            let mut w = Counted {
+                inner: std::io::stdout().lock(),
+                progress: progress.clone(),
+            };
+            ans.copy_to(&mut w)
+                .map_err(|e| Failure(format!("downloading {id}:{path}: {e}")))?;
+            progress.lock().map(|p| p.done).unwrap_or(0)
+        }
+        Some(d) => {
+            // Written beside the destination, renamed over it when whole:
+            // a transfer that fails leaves no partial file behind.
+            let dir = d
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(std::path::Path::new("."));
+            let tmp = dir.join(format!(
+                ".{}.sprout-{}",
+                d.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                std::process::id()
+            ));
+            let f = std::fs::File::create(&tmp)
+                .map_err(|e| Failure(format!("{}: {e}", tmp.display())))?;
+            let mut w = Counted {
+                inner: std::io::BufWriter::with_capacity(256 * 1024, f),
+                progress: progress.clone(),
+            };
+            let done = ans
+                .copy_to(&mut w)
+                .map_err(|e| format!("downloading {id}:{path}: {e}"))
+                .and_then(|()| {
+                    w.inner
+                        .into_inner()
+                        .map_err(|e| format!("{}: {}", tmp.display(), e.error()))
+                })
+                .and_then(|f| f.sync_all().map_err(|e| format!("{}: {e}", tmp.display())))
+                .and_then(|()| {
+                    std::fs::rename(&tmp, d).map_err(|e| format!("{}: {e}", d.display()))
+                });
+            if let Err(m) = done {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(Failure(m));
+            }
+            progress.lock().map(|p| p.done).unwrap_or(0)
+        }
+    };
+    if let Ok(mut p) = progress.lock() {
+        p.finish();
+    }
+    Ok(json!({ "from": format!("{id}:{path}"), "to": shown, "bytes": bytes }))
+}
+
+fn files(api: &Api, conn: &Conn, f: FilesCmd) -> Result<ExitCode, Failure> {
+    let v = match &f {
+        FilesCmd::Ls { id, path } => api.call("GET", &files_path(id, "", path)?, None)?,
+        FilesCmd::Mkdir { id, path, parents } => api.call(
+            "POST",
+            &format!("/v1/runtime/vms/{}/files/mkdir", seg(id)?),
+            Some(json!({ "path": path, "parents": parents })),
+        )?,
+        FilesCmd::Rm {
+            id,
+            path,
+            recursive,
+        } => {
+            let mut p = files_path(id, "", path)?;
+            if *recursive {
+                p.push_str("&recursive=true");
+            }
+            api.call("DELETE", &p, None)?
+        }
+    };
+    if conn.json {
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    } else if let FilesCmd::Ls { .. } = f {
+        let rows = v["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| {
+                let kind = str_of(&e["type"]);
+                let name = str_of(&e["name"]);
+                vec![
+                    kind.clone(),
+                    str_of(&e["size"]),
+                    if kind == "dir" {
+                        format!("{name}/")
+                    } else {
+                        name
+                    },
+                ]
+            })
+            .collect();
+        print!("{}", table(&["TYPE", "SIZE", "NAME"], rows));
+        if v["truncated"] == true {
+            eprintln!("sprout: the listing was cut at 10000 entries");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ps_table(v: &Value) -> String {
+    let rows = v["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let state = if p["running"] == true {
+                "running".to_owned()
+            } else {
+                match (p["exit"]["exitCode"].as_i64(), p["exit"]["signal"].as_i64()) {
+                    (Some(c), _) => format!("exit {c}"),
+                    (None, Some(s)) => format!("signal {s}"),
+                    _ => "ended".to_owned(),
+                }
+            };
+            vec![
+                str_of(&p["execId"]),
+                str_of(&p["pid"]),
+                state,
+                str_of(&p["startedAt"]),
+                str_of(&p["command"]),
+            ]
+        })
+        .collect();
+    table(&["EXEC", "PID", "STATE", "STARTED", "COMMAND"], rows)
 }
 
 fn to_map(pairs: Vec<(String, String)>) -> BTreeMap<String, String> {
@@ -885,5 +1761,45 @@ mod tests {
             .unwrap();
         assert_eq!(s.finish().err().unwrap().0, "m (x)");
         assert!(Sse::new(true).finish().is_err(), "no exit: an error");
+    }
+
+    #[test]
+    fn a_reattach_skips_the_events_already_seen() {
+        let mut s = Sse::new(false);
+        s.last_id = Some(2);
+        s.write_all(
+            b"event: exit\nid: 2\ndata: {\"exitCode\":9}\n\n\
+              event: exit\nid: 3\ndata: {\"exitCode\":4}\n\n",
+        )
+        .unwrap();
+        assert_eq!(s.last_id, Some(3));
+        assert_eq!(s.exit.as_ref().unwrap()["exitCode"], 4, "event 2 was seen");
+    }
+
+    #[test]
+    fn cp_sides_are_told_apart() {
+        assert_eq!(loc("-"), Loc::Std);
+        assert_eq!(
+            loc("abc:/workspace/x"),
+            Loc::Remote {
+                id: "abc".into(),
+                path: "/workspace/x".into()
+            }
+        );
+        assert_eq!(
+            loc("abc:"),
+            Loc::Remote {
+                id: "abc".into(),
+                path: "".into()
+            }
+        );
+        assert_eq!(loc("./a:b"), Loc::Local("./a:b".into()));
+        assert_eq!(loc(":x"), Loc::Local(":x".into()));
+        assert_eq!(loc("dir/f"), Loc::Local("dir/f".into()));
+        assert_eq!(base_name("a/b.txt"), Some("b.txt"));
+        assert_eq!(base_name("a/b/"), Some("b"));
+        assert_eq!(base_name("."), None);
+        assert_eq!(base_name("/"), None);
+        assert_eq!(base_name("a/.."), None);
     }
 }

@@ -212,8 +212,66 @@ fn errors_are_clear_and_exit_non_zero() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.starts_with("sprout: error: "), "{err}");
+    // So are its files and processes; a copy leaves no partial file.
+    let t = tempfile::tempdir().unwrap();
+    let local = t.path().join("f.txt");
+    std::fs::write(&local, "x").unwrap();
+    let local = local.to_str().unwrap();
+    refused(b, &["cp", local, &format!("{id}:f.txt")], "not_supported");
+    let back = t.path().join("back.txt");
+    refused(
+        b,
+        &["cp", &format!("{id}:f.txt"), back.to_str().unwrap()],
+        "not_supported",
+    );
+    assert_eq!(
+        std::fs::read_dir(t.path()).unwrap().count(),
+        1,
+        "no partial download"
+    );
+    refused(b, &["files", "ls", id], "not_supported");
+    refused(b, &["ps", id], "not_supported");
+    refused(b, &["attach", id, "1"], "not_supported");
+    refused(b, &["cp", &format!("{unknown}:f.txt"), "-"], "vm_not_found");
+    refused(b, &["cp", local, "elsewhere.txt"], "neither");
+    refused(
+        b,
+        &["cp", &format!("{id}:a"), &format!("{id}:b")],
+        "both sides",
+    );
+    refused(
+        b,
+        &["cp", "/no/such/file", &format!("{id}:x")],
+        "/no/such/file",
+    );
     refused("https://127.0.0.1:1", &["ls"], "only http://");
     drop(d);
     // Nothing listens there now.
     refused(b, &["ls"], "cannot reach sproutd at");
+    refused(
+        b,
+        &["cp", local, &format!("{id}:f.txt")],
+        "cannot reach sproutd at",
+    );
+}
+
+/// `sprout completions SHELL` prints a script that completes the sandbox
+/// commands.
+#[test]
+fn completions_are_printed_for_each_shell() {
+    for (shell, says) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef sprout"),
+        ("fish", "complete -c sprout"),
+    ] {
+        let o = sprout("http://127.0.0.1:1", &["completions", shell], b"");
+        assert!(o.status.success(), "{shell}: {o:?}");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains(says), "{shell}: {out}");
+        for cmd in ["create", "exec", "attach", "cp", "checkpoint"] {
+            assert!(out.contains(cmd), "{shell} completes {cmd}");
+        }
+    }
+    let o = sprout("http://127.0.0.1:1", &["completions", "nosh"], b"");
+    assert_eq!(o.status.code(), Some(2));
 }

@@ -13,7 +13,8 @@
 //! sprout daemon [--listen ADDR] [--data-dir DIR]  run sproutd, the REST service
 //! sprout api [--addr HOST:PORT] METHOD PATH [BODY]  one request to a sproutd
 //! sprout [--url URL] [--json] create|ls|get|exec|pause|resume|sleep|
-//!        hibernate|wake|reboot|snapshot|fork|checkpoint|rm ...
+//!        hibernate|wake|reboot|snapshot|fork|checkpoint|cp|files|ps|attach|kill|rm ...
+//! sprout completions bash|zsh|fish|...           a shell completion script
 //!                                                the sandbox commands (docs/cli.md)
 //! ```
 
@@ -51,6 +52,11 @@ enum Cmd {
     /// Send one request to a sproutd and print the answer's body; exits 0
     /// for a 2xx answer, 1 otherwise (the status goes to stderr).
     Api(ApiArgs),
+    /// Print a shell completion script: `source <(sprout completions bash)`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Args)]
@@ -440,11 +446,18 @@ fn main() -> ExitCode {
         Cmd::Daemon(a) => return service::daemon::main(a),
         Cmd::Api(a) => return api(a, cli.conn.api_key.as_deref()),
         Cmd::Sandbox(c) => return service::cli::main(&cli.conn, c),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory as _;
+            clap_complete::generate(shell, &mut Cli::command(), "sprout", &mut std::io::stdout());
+            return ExitCode::SUCCESS;
+        }
         _ => {}
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let res = match cli.cmd {
-        Cmd::Daemon(_) | Cmd::Api(_) | Cmd::Sandbox(_) => unreachable!("handled above"),
+        Cmd::Daemon(_) | Cmd::Api(_) | Cmd::Sandbox(_) | Cmd::Completions { .. } => {
+            unreachable!("handled above")
+        }
         Cmd::Vm(VmCmd::Run(a)) => match a.kernel.as_deref() {
             Some(k) if service::linux::is_test_guest(k) => run(a),
             _ => return service::linux::main(a.into_linux()),
