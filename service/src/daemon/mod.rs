@@ -9,6 +9,7 @@
 //! `sproutd --listen ADDR --data-dir DIR`, also run as `sprout daemon`.
 
 pub mod api_client;
+mod dashboard;
 mod error;
 mod exec;
 mod exec_limits;
@@ -393,6 +394,7 @@ fn print_banner(url: &str, lab_disk: Option<&Path>) {
             d.display()
         )
     });
+    let _ = writeln!(out, "  The dashboard: {url}{}", dashboard::BASE);
     let _ = writeln!(
         out,
         "  The API is in docs/api.md; {url}/v1/info says what this host serves. Stop with Ctrl-C{keep}."

@@ -78,7 +78,8 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
 
 pub fn router(app: Arc<App>, limits: &ExecLimitArgs) -> Router {
     let (api, _) = api().split_for_parts();
-    api.fallback(not_found)
+    api.merge(super::dashboard::router())
+        .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(
             app.clone(),
             super::tenants::authenticate,

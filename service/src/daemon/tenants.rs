@@ -1,12 +1,13 @@
 //! Tenants: who a request is from, what it may see, and how much it may
 //! hold (docs/api.md, "Tenants and quotas").
 //!
-//! With `--tenants FILE`, every request but `GET /v1/health` and `GET
-//! /v1/openapi.json` must carry an API key (`Authorization: Bearer KEY` or
-//! `X-API-Key: KEY`). The file holds no key, only each key's SHA-256: a
-//! key is 256 random bits ([`new_key`]), so one unsalted hash is as strong
-//! as the key, and the file can be read by anyone who may read the
-//! configuration. Each key names its tenant; a tenant sees only the
+//! With `--tenants FILE`, every request but `GET /v1/health`, `GET
+//! /v1/openapi.json` and the dashboard's static files (`/dashboard`) must
+//! carry an API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`).
+//! The file holds no key, only each key's SHA-256: a key is 256 random
+//! bits ([`new_key`]), so one unsalted hash is as strong as the key, and
+//! the file can be read by anyone who may read the configuration. Each
+//! key names its tenant; a tenant sees only the
 //! sandboxes, snapshots, checkpoints, processes and files that it made
 //! (another's id is answered exactly as an unknown one), and holds at most
 //! `slots` running sandboxes and `max_execs` execs in flight. SIGHUP
@@ -364,9 +365,13 @@ fn key_of(req: &Request) -> Option<&str> {
         .map(str::trim)
 }
 
-/// Routes anyone may ask.
+/// Routes anyone may ask. The dashboard's (`/dashboard` and under it) are
+/// static files with no data in them: the page reads everything through
+/// the API, with the key its user gives it.
 pub fn public(path: &str) -> bool {
     matches!(path, "/v1/health" | "/v1/openapi.json")
+        || path == super::dashboard::BASE
+        || path.starts_with("/dashboard/")
 }
 
 /// The middleware that makes every request a [`Caller`]'s, or answers 401.
