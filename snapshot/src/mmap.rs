@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::PathBuf;
 use std::ptr::NonNull;
 
-use crate::layers::{LayerStack, Page, PageSource};
+use crate::layers::{LayerFiles, LayerStack, Page, PageSource};
 use crate::PAGE_SIZE;
 
 /// Default bound on the host mappings (VMAs) one restore makes; Linux allows
@@ -36,6 +36,8 @@ pub enum MmapError {
     },
     #[error("Cannot map anonymous memory for zero pages")]
     Anon(#[source] std::io::Error),
+    #[error("Cannot keep the memory layer files open")]
+    Files(#[source] std::io::Error),
 }
 
 /// What [`map_private`] built.
@@ -64,6 +66,8 @@ pub struct PrivateMapping {
     /// A SIGBUS here (a layer file truncated under us) ends the process
     /// with a clear reason: see [`crate::fault`].
     _fault: crate::fault::FaultGuard,
+    /// The files mapped, to tell a truncated one from other failures.
+    files: LayerFiles,
 }
 
 // SAFETY: the mapping is owned by this value and only exposed as a raw
@@ -89,6 +93,12 @@ impl PrivateMapping {
 
     pub fn stats(&self) -> MapStats {
         self.stats
+    }
+
+    /// The first layer file mapped here that changed size since (a guest
+    /// access to a page past its new end fails): see [`LayerFiles`].
+    pub fn changed_layer(&self) -> Option<PathBuf> {
+        self.files.changed()
     }
 
     /// Guest RAM as a byte slice.
@@ -187,6 +197,7 @@ fn map_private_impl(
     }
     // Into a reservation, the base replaces it in place (MAP_FIXED); from then
     // on the PrivateMapping owns (and unmaps) the range.
+    let files = stack.files().map_err(MmapError::Files)?;
     let fixed = at.map(|r| r.into_raw().0.as_ptr());
     let base = map_file(fixed, len, stack.layer_fd(0), 0).map_err(|source| {
         if let Some(p) = fixed {
@@ -205,6 +216,7 @@ fn map_private_impl(
         len,
         stats: MapStats::default(),
         _fault: crate::fault::FaultGuard::new(base.as_ptr(), len),
+        files,
     };
     let (mut runs, mut copied): (Vec<_>, Vec<_>) = stack
         .overlay_runs()

@@ -48,6 +48,18 @@ pub enum Backing {
     Uffd(snapshot::uffd::UffdRestore),
 }
 
+impl Backing {
+    /// A snapshot layer file backing this RAM that changed size since the
+    /// restore mapped it (`None` for a VM's own memfd).
+    pub fn changed_layer(&self) -> Option<std::path::PathBuf> {
+        match self {
+            Backing::Memfd(_) => None,
+            Backing::Mmap(m) => m.changed_layer(),
+            Backing::Uffd(u) => u.changed_layer(),
+        }
+    }
+}
+
 /// Guest RAM and what backs it. Guest physical regions map, in order, onto
 /// one contiguous "RAM offset space" `[0, size)`.
 pub struct GuestRam {

@@ -45,6 +45,15 @@ pub enum ExitReason {
     GuestPanic { code: u32, rip: u64 },
     /// KVM refused to run a vCPU or reported an error exit.
     VcpuFailed { vcpu: u8, message: String },
+    /// A snapshot layer file backing restored guest RAM (`path`) was
+    /// truncated or replaced while the VM ran, and the guest touched a page
+    /// the kernel could no longer fill. What that looked like (`then`)
+    /// depends on the hypervisor: `KVM_RUN` failing with `EFAULT`, or a page
+    /// fault injected into the guest that ends in a triple fault.
+    LayerChanged {
+        path: std::path::PathBuf,
+        then: Box<ExitReason>,
+    },
     /// The host stopped the VM.
     Stopped,
     /// Teardown gave up on threads that did not end in time (`threads` names
@@ -72,6 +81,11 @@ impl std::fmt::Display for ExitReason {
                 write!(f, "guest panic: code {code:#x} at rip {rip:#x}")
             }
             Self::VcpuFailed { vcpu, message } => write!(f, "vCPU {vcpu} failed: {message}"),
+            Self::LayerChanged { path, then } => write!(
+                f,
+                "snapshot layer {} was truncated or changed while the VM used it ({then})",
+                path.display()
+            ),
             Self::Stopped => write!(f, "stopped by the host"),
             Self::Abandoned { threads } => {
                 write!(

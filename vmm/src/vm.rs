@@ -114,9 +114,29 @@ impl Vm {
         if let VmRunState::Failed(_) = self.run {
             return self.run.clone();
         }
-        match self.exit.get() {
+        match self.exit_reason() {
             Some(r) => VmRunState::Exited(r),
             None => self.run.clone(),
+        }
+    }
+
+    /// `r`, or what lies behind it when the guest failed because a layer
+    /// file under restored RAM was truncated: a host thread touching such a
+    /// page takes SIGBUS (`snapshot::fault`), but a vCPU's access shows up
+    /// as a vCPU failure or a guest fault, which this names for what it is.
+    fn explained(&self, r: ExitReason) -> ExitReason {
+        let guest_failed = matches!(
+            r,
+            ExitReason::VcpuFailed { .. }
+                | ExitReason::TripleFault { .. }
+                | ExitReason::GuestPanic { .. }
+        );
+        match self.ram.backing.changed_layer() {
+            Some(path) if guest_failed => ExitReason::LayerChanged {
+                path,
+                then: Box::new(r),
+            },
+            _ => r,
         }
     }
 
@@ -157,12 +177,12 @@ impl Vm {
 
     /// Waits for the VM to stop, at most `timeout` (forever with `None`).
     pub fn wait(&self, timeout: Option<Duration>) -> Option<ExitReason> {
-        self.exit.wait(timeout)
+        self.exit.wait(timeout).map(|r| self.explained(r))
     }
 
     /// Why the VM stopped, if it has.
     pub fn exit_reason(&self) -> Option<ExitReason> {
-        self.exit.get()
+        self.exit.get().map(|r| self.explained(r))
     }
 
     /// The VM's exit signal, to wait for its end (or request it with
@@ -181,7 +201,7 @@ impl Vm {
     pub fn stop(mut self) -> ExitReason {
         self.exit.set(ExitReason::Stopped);
         self.shutdown();
-        self.exit.get().unwrap_or(ExitReason::Stopped)
+        self.exit_reason().unwrap_or(ExitReason::Stopped)
     }
 
     /// Asks every vCPU and the event loop to end before waiting on any, then

@@ -180,13 +180,21 @@ fn start(
     }
     let socket = opts.socket.clone();
     match server::run(opts) {
-        Ok(Some(r)) => {
+        Ok(Some(r)) if r.is_clean() => {
             log::info!("worker {}: VM ended: {r}", socket.display());
-            Ok(if r.is_clean() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            Ok(ExitCode::SUCCESS)
+        }
+        Ok(Some(r @ vmm::vcpu::ExitReason::LayerChanged { .. })) => {
+            // The same end, status and words as a host thread's SIGBUS in a
+            // layer mapping (snapshot::fault), whichever touched it first.
+            eprint!("{}", snapshot::fault::LAYER_FAULT_MESSAGE);
+            log::error!("worker {}: VM ended: {r}", socket.display());
+            Ok(ExitCode::from(snapshot::fault::LAYER_FAULT_EXIT as u8))
+        }
+        Ok(Some(r)) => {
+            // Never a silent failure: whoever reads the worker's log sees why.
+            log::error!("worker {}: VM ended: {r}", socket.display());
+            Ok(ExitCode::FAILURE)
         }
         Ok(None) => Ok(ExitCode::SUCCESS),
         Err(e) => Err(owner::chain(&e)),

@@ -26,7 +26,7 @@ pub use bitmap::DirtyBitmap;
 pub(crate) use extents::fiemap_extents;
 pub(crate) use pagemap::PageMap;
 pub(crate) use stack::PageSource;
-pub use stack::{LayerStack, Page};
+pub use stack::{LayerFiles, LayerStack, Page};
 pub use staged::StagedPages;
 pub use write::{write_diff_layer, write_full_layer};
 

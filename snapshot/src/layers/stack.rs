@@ -34,6 +34,31 @@ struct Layer {
     pages: PageMap,
 }
 
+/// The data files of a [`LayerStack`]'s layers, kept open by whatever maps
+/// them (the `mmap` backend's guest RAM) after the stack itself is gone.
+///
+/// When the kernel cannot fill a page of such a mapping because its file was
+/// truncated, the access that faults decides what is seen: a host thread
+/// takes SIGBUS ([`crate::fault`]), but a vCPU's access in guest mode makes
+/// `KVM_RUN` fail with `EFAULT`. [`LayerFiles::changed`] tells the second
+/// case apart from any other vCPU failure.
+#[derive(Debug)]
+pub struct LayerFiles {
+    size: u64,
+    files: Vec<(PathBuf, File)>,
+}
+
+impl LayerFiles {
+    /// The first layer file whose size is no longer the RAM size it was
+    /// verified and mapped with (or that cannot be inspected any more).
+    pub fn changed(&self) -> Option<PathBuf> {
+        self.files
+            .iter()
+            .find(|(_, f)| f.metadata().map_or(true, |m| m.len() != self.size))
+            .map(|(p, _)| p.clone())
+    }
+}
+
 /// The memory layers of a snapshot chain, from the topmost full layer (the
 /// base) up through the diff layers above it.
 ///
@@ -164,6 +189,33 @@ impl LayerStack {
         unsafe { self.layers[layer].map.as_ptr().add((pfn * PAGE) as usize) }
     }
 
+    /// A handle on every layer's data file (the same open files), to check
+    /// later whether one changed under a VM that maps it: see [`LayerFiles`].
+    pub fn files(&self) -> std::io::Result<LayerFiles> {
+        let files = self
+            .layers
+            .iter()
+            .map(|l| Ok((l.path.clone(), l.file.try_clone()?)))
+            .collect::<std::io::Result<_>>()?;
+        Ok(LayerFiles {
+            size: self.mem_bytes,
+            files,
+        })
+    }
+
+    /// The first layer whose data file no longer has the size it was opened
+    /// with (see [`LayerFiles::changed`]).
+    pub fn changed_layer(&self) -> Option<PathBuf> {
+        self.layers
+            .iter()
+            .find(|l| {
+                l.file
+                    .metadata()
+                    .map_or(true, |m| m.len() != self.mem_bytes)
+            })
+            .map(|l| l.path.clone())
+    }
+
     /// The data file of layer `layer`.
     pub(crate) fn layer_fd(&self, layer: usize) -> BorrowedFd<'_> {
         self.layers[layer].file.as_fd()
@@ -205,6 +257,35 @@ mod tests {
     use super::*;
     use crate::layers::DirtyBitmap;
     use crate::testutil::{diff, fill, full, zero};
+
+    #[test]
+    fn a_truncated_layer_file_is_named_by_the_stack_and_its_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let pages = 64u64;
+        let mut ram = vec![0u8; pages as usize * PAGE_SIZE];
+        fill(&mut ram, 1, 1);
+        let base = full(dir.path(), "base", &ram);
+        let mut dirty = DirtyBitmap::new(pages);
+        fill(&mut ram, 2, 2);
+        dirty.set(2);
+        let d1 = diff(dir.path(), "d1", &base, &ram, &dirty);
+        let chain = Snapshot::load_chain(d1.dir()).unwrap();
+        let stack = LayerStack::open(&chain).unwrap();
+        let files = stack.files().unwrap();
+        assert_eq!(stack.changed_layer(), None);
+        assert_eq!(files.changed(), None);
+        let top = stack.layer_path(1).clone();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&top)
+            .unwrap()
+            .set_len(PAGE)
+            .unwrap();
+        assert_eq!(stack.changed_layer(), Some(top.clone()));
+        drop(stack);
+        // The files outlive the stack (the mmap backend keeps only them).
+        assert_eq!(files.changed(), Some(top));
+    }
 
     #[test]
     fn lookup_is_top_down_and_zeroed_pages_override() {

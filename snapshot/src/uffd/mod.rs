@@ -112,6 +112,9 @@ pub struct UffdRestore {
     /// Dropped after the server thread is joined (in `Drop`).
     map: AnonMap,
     _uffd: Arc<Uffd>,
+    /// The layers the server reads (shared with it), to tell a truncated
+    /// one from other failures.
+    stack: Arc<LayerStack>,
 }
 
 impl UffdRestore {
@@ -181,7 +184,7 @@ impl UffdRestore {
             stop_fd.clone(),
             map.addr(),
             len,
-            stack,
+            stack.clone(),
             shared.clone(),
             opts.record_working_set_for,
             opts.populate_in_background,
@@ -207,7 +210,14 @@ impl UffdRestore {
             pages,
             map,
             _uffd: uffd,
+            stack,
         })
+    }
+
+    /// The first layer file the server reads that changed size since it
+    /// was opened: see [`crate::layers::LayerFiles`].
+    pub fn changed_layer(&self) -> Option<std::path::PathBuf> {
+        self.stack.changed_layer()
     }
 
     /// Start of guest RAM (the RAM offset space).
