@@ -7,3 +7,4 @@ pub mod cli;
 pub mod control;
 pub mod daemon;
 pub mod linux;
+pub mod oci;

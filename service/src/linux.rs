@@ -47,6 +47,8 @@ pub enum LinuxError {
     NoKernel(PathBuf),
     #[error("No {name} image at {path}: build it with guest/build-images.sh {name}, or pass --image PATH")]
     NoImage { name: String, path: PathBuf },
+    #[error("Cannot use the OCI image")]
+    Oci(#[source] crate::oci::OciError),
     #[error("{0} is not a kernel Sprout can boot: not an ELF64 x86_64 executable (use an uncompressed vmlinux, not a bzImage)")]
     NotElf(PathBuf),
     #[error("Image {0} does not exist or is not a file")]
@@ -214,6 +216,12 @@ pub fn resolve_image(image: Option<&str>) -> Result<PathBuf, LinuxError> {
             }
             p
         }
+        r if is_oci_reference(r) => {
+            let opts = crate::oci::PullOptions::from_env(&cache_dir());
+            let img = crate::oci::pull_blocking(r, &opts, &mut crate::oci::print_progress)
+                .map_err(LinuxError::Oci)?;
+            img.path
+        }
         p => PathBuf::from(p),
     };
     if !path.is_file() {
@@ -221,6 +229,14 @@ pub fn resolve_image(image: Option<&str>) -> Result<PathBuf, LinuxError> {
     }
     check_ext4(&path)?;
     Ok(path)
+}
+
+/// Whether `image` (of `--image`) is an OCI reference rather than a built
+/// image's name or a file's path: `oci:/layout[:tag]`, or a registry
+/// reference (which never starts with `/` or `.`).
+pub fn is_oci_reference(image: &str) -> bool {
+    image.starts_with("oci:")
+        || (crate::oci::is_oci(image) && !image.starts_with('/') && !image.starts_with('.'))
 }
 
 /// Refuses a file without an ext4 superblock.

@@ -47,6 +47,9 @@ enum Cmd {
     Worker(WorkerArgs),
     /// Run sproutd, the sandbox REST service (docs/api.md).
     Daemon(service::daemon::DaemonArgs),
+    /// OCI images made into Sprout base images, on this host (docs/guest.md).
+    #[command(subcommand)]
+    Image(ImageCmd),
     #[command(flatten)]
     Sandbox(service::cli::SandboxCmd),
     /// Send one request to a sproutd and print the answer's body; exits 0
@@ -86,6 +89,20 @@ struct ApiArgs {
     path: String,
     /// A JSON body.
     body: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum ImageCmd {
+    /// Pull an OCI image (`HOST[:PORT]/NAME:TAG`, `NAME@sha256:…`, or a
+    /// local layout `oci:/PATH[:TAG]`) and make its base image, or find the
+    /// one already made; prints its path (`--json`: its record).
+    /// Credentials: SPROUT_REGISTRY_USERNAME and SPROUT_REGISTRY_PASSWORD.
+    Pull {
+        /// The OCI reference.
+        reference: String,
+    },
+    /// List the base images made from OCI images.
+    Ls,
 }
 
 #[derive(Subcommand)]
@@ -438,6 +455,59 @@ fn api(a: ApiArgs, api_key: Option<&str>) -> ExitCode {
     }
 }
 
+fn image(c: ImageCmd, json: bool) -> Result<bool> {
+    let cache = service::linux::cache_dir();
+    match c {
+        ImageCmd::Pull { reference } => {
+            if !service::linux::is_oci_reference(&reference) {
+                bail!(
+                    "{reference:?} is not an OCI reference (HOST[:PORT]/NAME:TAG, \
+                     NAME@sha256:DIGEST or oci:/PATH[:TAG])"
+                );
+            }
+            let opts = service::oci::PullOptions::from_env(&cache);
+            let started = std::time::Instant::now();
+            let img =
+                service::oci::pull_blocking(&reference, &opts, &mut service::oci::print_progress)
+                    .map_err(|e| {
+                    anyhow::anyhow!("{} ({})", service::daemon::error_chain(&e), e.code())
+                })?;
+            if json {
+                println!("{}", serde_json::to_string(&img)?);
+            } else {
+                eprintln!(
+                    "sprout: {} in {:.1} s",
+                    if img.cached {
+                        "found"
+                    } else {
+                        "pulled and built"
+                    },
+                    started.elapsed().as_secs_f64()
+                );
+                println!("{}", img.path.display());
+            }
+        }
+        ImageCmd::Ls => {
+            let all = service::oci::list(&cache);
+            if json {
+                println!("{}", serde_json::to_string(&all)?);
+            } else {
+                println!("{:<19} {:>9}  {:<6} REFERENCE", "DIGEST", "SIZE", "LAYERS");
+                for i in all {
+                    println!(
+                        "{:<19} {:>7.0}Mi  {:<6} {}",
+                        i.digest.get(..19).unwrap_or(&i.digest),
+                        i.size_bytes as f64 / 1048576.0,
+                        i.layers,
+                        i.reference
+                    );
+                }
+            }
+        }
+    }
+    Ok(true)
+}
+
 fn main() -> ExitCode {
     service::linux::mark_process_start();
     let cli = Cli::parse();
@@ -483,6 +553,7 @@ fn main() -> ExitCode {
             })
             .map_err(anyhow::Error::from),
         Cmd::Worker(a) => return sprout_worker::worker_main(a.args),
+        Cmd::Image(c) => image(c, cli.conn.json),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod lab;
+pub mod oci;
 pub mod s3;
 
 use std::io::{BufRead, BufReader};
