@@ -14,6 +14,7 @@ use tokio::io::AsyncWriteExt;
 
 use super::reference::{is_loopback_registry, Source};
 use super::{OciError, Progress};
+use crate::daemon::error_chain as chain;
 
 /// The media types a manifest request accepts.
 const MANIFEST_TYPES: [&str; 4] = [
@@ -585,17 +586,6 @@ fn registry_error(
         }
         e => OciError::Registry(format!("{what}: {}", chain(&e))),
     }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 #[cfg(test)]
