@@ -216,7 +216,7 @@ pub fn resolve_image(image: Option<&str>) -> Result<PathBuf, LinuxError> {
             }
             p
         }
-        r if is_oci_reference(r) => {
+        r if crate::oci::is_oci(r) => {
             let opts = crate::oci::PullOptions::from_env(&cache_dir());
             let img = crate::oci::pull_blocking(r, &opts, &mut crate::oci::print_progress)
                 .map_err(LinuxError::Oci)?;
@@ -229,14 +229,6 @@ pub fn resolve_image(image: Option<&str>) -> Result<PathBuf, LinuxError> {
     }
     check_ext4(&path)?;
     Ok(path)
-}
-
-/// Whether `image` (of `--image`) is an OCI reference rather than a built
-/// image's name or a file's path: `oci:/layout[:tag]`, or a registry
-/// reference (which never starts with `/` or `.`).
-pub fn is_oci_reference(image: &str) -> bool {
-    image.starts_with("oci:")
-        || (crate::oci::is_oci(image) && !image.starts_with('/') && !image.starts_with('.'))
 }
 
 /// Refuses a file without an ext4 superblock.

@@ -131,12 +131,15 @@ impl Vm {
                 | ExitReason::TripleFault { .. }
                 | ExitReason::GuestPanic { .. }
         );
+        if !guest_failed {
+            return r;
+        }
         match self.ram.backing.changed_layer() {
-            Some(path) if guest_failed => ExitReason::LayerChanged {
+            Some(path) => ExitReason::LayerChanged {
                 path,
                 then: Box::new(r),
             },
-            _ => r,
+            None => r,
         }
     }
 

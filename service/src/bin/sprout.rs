@@ -459,7 +459,7 @@ fn image(c: ImageCmd, json: bool) -> Result<bool> {
     let cache = service::linux::cache_dir();
     match c {
         ImageCmd::Pull { reference } => {
-            if !service::linux::is_oci_reference(&reference) {
+            if !service::oci::is_oci(&reference) {
                 bail!(
                     "{reference:?} is not an OCI reference (HOST[:PORT]/NAME:TAG, \
                      NAME@sha256:DIGEST or oci:/PATH[:TAG])"

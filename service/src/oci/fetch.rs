@@ -371,7 +371,6 @@ impl Fetcher {
                     inner: tokio::io::BufWriter::with_capacity(1 << 20, file),
                     done: 0,
                     total: d.size,
-                    limit: d.size,
                     digest: &d.digest,
                     progress,
                     last: 0,
@@ -420,7 +419,6 @@ struct Counting<'a, W> {
     inner: W,
     done: u64,
     total: u64,
-    limit: u64,
     digest: &'a str,
     progress: &'a mut (dyn FnMut(Progress) + Send),
     last: u64,
@@ -433,10 +431,10 @@ impl<W: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counting<'_, W>
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
         let this = &mut *self;
-        if this.done + buf.len() as u64 > this.limit {
+        if this.done + buf.len() as u64 > this.total {
             return std::task::Poll::Ready(Err(std::io::Error::other(format!(
                 "the registry sent more than the {} bytes of blob {}",
-                this.limit, this.digest
+                this.total, this.digest
             ))));
         }
         let r = std::pin::Pin::new(&mut this.inner).poll_write(cx, buf);

@@ -30,10 +30,13 @@ pub enum ReferenceError {
     RelativeLayout(String),
 }
 
-/// Whether `image` names an OCI image rather than a built image: a built
-/// image's name has no `/`, `:` or `@`.
+/// Whether `image` (an `--image` or `image` value) names an OCI image rather
+/// than a built image or a file: `oci:/layout[:tag]`, or a registry
+/// reference. A built image's name has no `/`, `:` or `@`, and a file's path
+/// starts with `/` or `.`, which no registry reference does.
 pub fn is_oci(image: &str) -> bool {
-    image.contains(['/', ':', '@'])
+    image.starts_with("oci:")
+        || (image.contains(['/', ':', '@']) && !image.starts_with('/') && !image.starts_with('.'))
 }
 
 /// Parses an OCI image reference (see [`is_oci`]).
@@ -100,7 +103,13 @@ mod tests {
 
     #[test]
     fn built_image_names_are_not_oci_references() {
-        for n in ["default", "test", "my-image_2"] {
+        for n in [
+            "default",
+            "test",
+            "my-image_2",
+            "/srv/img.ext4",
+            "./img.ext4",
+        ] {
             assert!(!is_oci(n), "{n}");
         }
         for r in [

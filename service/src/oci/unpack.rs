@@ -353,15 +353,13 @@ impl Layer<'_> {
             let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode));
         }
         if kind != tar::EntryType::Directory {
+            let at = rustix::fs::Timespec {
+                tv_sec: mtime as i64,
+                tv_nsec: 0,
+            };
             let t = rustix::fs::Timestamps {
-                last_access: rustix::fs::Timespec {
-                    tv_sec: mtime as i64,
-                    tv_nsec: 0,
-                },
-                last_modification: rustix::fs::Timespec {
-                    tv_sec: mtime as i64,
-                    tv_nsec: 0,
-                },
+                last_access: at,
+                last_modification: at,
             };
             let _ = rustix::fs::utimensat(
                 rustix::fs::CWD,

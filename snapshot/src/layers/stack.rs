@@ -40,8 +40,9 @@ struct Layer {
 /// When the kernel cannot fill a page of such a mapping because its file was
 /// truncated, the access that faults decides what is seen: a host thread
 /// takes SIGBUS ([`crate::fault`]), but a vCPU's access in guest mode makes
-/// `KVM_RUN` fail with `EFAULT`. [`LayerFiles::changed`] tells the second
-/// case apart from any other vCPU failure.
+/// `KVM_RUN` fail with `EFAULT` (or, on some hypervisors, becomes a guest
+/// page fault that ends in a triple fault). [`LayerFiles::changed`] tells
+/// that apart from any other guest failure.
 #[derive(Debug)]
 pub struct LayerFiles {
     size: u64,
@@ -52,11 +53,19 @@ impl LayerFiles {
     /// The first layer file whose size is no longer the RAM size it was
     /// verified and mapped with (or that cannot be inspected any more).
     pub fn changed(&self) -> Option<PathBuf> {
-        self.files
-            .iter()
-            .find(|(_, f)| f.metadata().map_or(true, |m| m.len() != self.size))
-            .map(|(p, _)| p.clone())
+        first_changed(self.size, self.files.iter().map(|(p, f)| (p, f)))
     }
+}
+
+/// The first of `files` whose size is no longer `size` (or that cannot be
+/// inspected any more).
+fn first_changed<'a>(
+    size: u64,
+    mut files: impl Iterator<Item = (&'a PathBuf, &'a File)>,
+) -> Option<PathBuf> {
+    files
+        .find(|(_, f)| f.metadata().map_or(true, |m| m.len() != size))
+        .map(|(p, _)| p.clone())
 }
 
 /// The memory layers of a snapshot chain, from the topmost full layer (the
@@ -206,14 +215,10 @@ impl LayerStack {
     /// The first layer whose data file no longer has the size it was opened
     /// with (see [`LayerFiles::changed`]).
     pub fn changed_layer(&self) -> Option<PathBuf> {
-        self.layers
-            .iter()
-            .find(|l| {
-                l.file
-                    .metadata()
-                    .map_or(true, |m| m.len() != self.mem_bytes)
-            })
-            .map(|l| l.path.clone())
+        first_changed(
+            self.mem_bytes,
+            self.layers.iter().map(|l| (&l.path, &l.file)),
+        )
     }
 
     /// The data file of layer `layer`.
