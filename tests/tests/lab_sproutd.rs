@@ -142,10 +142,13 @@ kill $daemon; wait $daemon
 echo "daemon-exit: $?"
 # --- Exec limits: 200 concurrent execs over 4 sandboxes, each echoing its
 # own token; every answer is that output or 429 with Retry-After. Admitted
-# execs wait for /workspace/go, written through the files API (not an
-# exec: not limited) once every refusal is in, so exactly 24 (the global
-# limit) run. First 20 to sandbox 1 alone (8 admitted: its limit), then
-# 180 over the other three (16 more, then the global limit).
+# execs mark their start (/workspace/up-N) and wait for /workspace/go,
+# written through the files API (not an exec: not limited) once every
+# refusal is in, so exactly 24 (the global limit) run. First 20 to sandbox 1
+# alone (8 admitted: its limit), then 180 over the other three (16 more,
+# then the global limit), 20 at a time: each batch is answered or started
+# before the next is sent, so no admitted exec waits for its guest to start
+# it while the emulated machine spawns a storm of clients.
 start_daemon --max-execs-per-vm 8 --max-execs 24
 lim_pids=
 for v in 1 2 3 4; do
@@ -184,24 +187,33 @@ mkdir -p /tmp/lim
 lim_exec() { # N SANDBOX-INDEX
   lid=$(echo $lim_ids | cut -d' ' -f$2)
   sprout api -i POST /v1/runtime/vms/$lid/exec \
-    "{\"command\":\"/bin/sh\",\"argv\":[\"-c\",\"while [ ! -e /workspace/go ]; do sleep 1; done; echo tok-$1\"]}" \
+    "{\"command\":\"/bin/sh\",\"argv\":[\"-c\",\": >/workspace/up-$1; while [ ! -e /workspace/go ]; do sleep 2; done; echo tok-$1\"]}" \
     >/tmp/lim/$1 2>/dev/null &
   lim_pids="$lim_pids $!"
 }
 lim_answered() { cat /tmp/lim/* 2>/dev/null | grep -c '^HTTP/1.1 '; }
-lim_wait() { # until N answers are in (the refusals, if all goes well)
+lim_up() { # how many admitted execs have started, over every sandbox
+  t=0
+  for l in $lim_ids; do
+    t=$((t + $(api GET "/v1/runtime/vms/$l/files?path=." | grep -o '"name":"up-' | wc -l)))
+  done
+  echo $t
+}
+lim_settle() { # until the first N execs are each answered or started
   i=0
-  until [ "$(lim_answered)" -ge $1 ]; do
-    i=$((i+1)); [ $i -gt 1200 ] && { echo "limits: only $(lim_answered) of $1 answers"; break; }
-    sleep 0.2
+  until [ $(($(lim_answered) + $(lim_up))) -ge $1 ]; do
+    i=$((i+1)); [ $i -gt 600 ] && { echo "limits: $(lim_answered) answered, $(lim_up) started of $1"; break; }
+    sleep 0.5
   done
 }
 lim_pids=
 n=0
 while [ $n -lt 20 ]; do lim_exec $n 1; n=$((n+1)); done
-lim_wait 12
-while [ $n -lt 200 ]; do lim_exec $n $((n % 3 + 2)); n=$((n+1)); done
-lim_wait 176
+lim_settle 20
+while [ $n -lt 200 ]; do
+  lim_exec $n $((n % 3 + 2)); n=$((n+1))
+  if [ $((n % 20)) = 0 ]; then lim_settle $n; fi
+done
 echo "lim-held: $(api GET /metrics | grep '^sproutd_execs_in_flight')"
 for lid in $lim_ids; do api PUT "/v1/runtime/vms/$lid/files/content?path=go" go >/dev/null; done
 for p in $lim_pids; do wait $p; done
