@@ -17,6 +17,7 @@ use log::{error, info, warn};
 use rustix::mount::{mount, MountFlags};
 use rustix::process::{wait, Pid, WaitOptions};
 
+use crate::main_process::SPEC_PATH;
 use crate::protocol::DEFAULT_VSOCK_PORT;
 
 /// Where the files root lives in a VM.
@@ -185,16 +186,22 @@ pub fn run() -> ! {
     let opts = setup(|| std::fs::read_to_string("/proc/cmdline").unwrap_or_default());
     let exe = std::env::current_exe().unwrap_or_else(|_| "/sbin/sprout-agent".into());
     let port = opts.port.to_string();
-    let spawn = || {
-        Command::new(&exe)
-            .args([
-                "--listen-vsock",
-                &port,
-                "--root",
-                WORKSPACE,
-                "--allow-identity",
-            ])
-            .env_clear()
+    // The image's main process (container runtime) is started once, by the
+    // first agent: an agent restarted later does not start it again.
+    let mut main = Path::new(SPEC_PATH).is_file();
+    let mut spawn = || {
+        let mut cmd = Command::new(&exe);
+        cmd.args([
+            "--listen-vsock",
+            &port,
+            "--root",
+            WORKSPACE,
+            "--allow-identity",
+        ]);
+        if std::mem::take(&mut main) {
+            cmd.args(["--main", SPEC_PATH]);
+        }
+        cmd.env_clear()
             .env("PATH", PATH)
             .env("HOME", "/root")
             .env(

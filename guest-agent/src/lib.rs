@@ -6,7 +6,8 @@
 //! - [`server`]: the agent proper (exec and files), run by the `sprout-agent` binary;
 //! - [`files`]: file operations confined beneath a root directory;
 //! - [`identity`]: re-identifying the guest after a restore or fork;
-//! - [`init`]: what the agent does first when it is PID 1 in a VM.
+//! - [`init`]: what the agent does first when it is PID 1 in a VM;
+//! - [`main_process`]: the main process a `container`-runtime image starts.
 //!
 //! `docs/protocol.md` describes the protocol, its limits and its errors.
 
@@ -14,6 +15,7 @@ pub mod client;
 pub mod files;
 pub mod identity;
 pub mod init;
+pub mod main_process;
 pub mod protocol;
 pub mod server;
 mod sys;

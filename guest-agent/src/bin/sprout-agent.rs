@@ -6,7 +6,7 @@
 //! ```text
 //! sprout-agent (--listen-unix PATH | --listen-vsock PORT) [--root DIR]
 //!              [--output-limit BYTES] [--max-execs N] [--ring-bytes BYTES]
-//!              [--max-finished N] [--allow-identity]
+//!              [--max-finished N] [--allow-identity] [--main SPEC]
 //! ```
 
 use std::path::PathBuf;
@@ -49,6 +49,10 @@ struct Args {
     /// for the agent PID 1 starts in a VM).
     #[arg(long)]
     allow_identity: bool,
+    /// Start the main process this spec describes (see
+    /// `guest_agent::main_process`) before serving.
+    #[arg(long, value_name = "SPEC")]
+    main: Option<PathBuf>,
     /// Resolve paths component by component instead of with openat2 (tests the fallback).
     #[arg(long, hide = true)]
     no_openat2: bool,
@@ -82,6 +86,9 @@ fn main() -> anyhow::Result<()> {
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async move {
         let server = Server::new(config);
+        if let Some(path) = &args.main {
+            start_main(&server, path);
+        }
         if let Some(path) = args.listen_unix {
             // A socket left by an earlier run would make bind fail.
             if std::fs::symlink_metadata(&path)
@@ -100,4 +107,25 @@ fn main() -> anyhow::Result<()> {
         }
         Ok(())
     })
+}
+
+/// Starts the main process `path` describes; a spec that cannot be read is
+/// logged (the console shows it) and the agent serves on without one.
+fn start_main(server: &Server, path: &std::path::Path) {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    let read = std::fs::File::open(path).and_then(|f| {
+        f.take(guest_agent::main_process::MAX_SPEC_BYTES + 1)
+            .read_to_end(&mut bytes)
+    });
+    if let Err(e) = read {
+        log::error!("cannot read the main process spec {}: {e}", path.display());
+        return;
+    }
+    match guest_agent::main_process::MainProcess::from_json(&bytes) {
+        Ok(spec) => {
+            server.start_main(&spec);
+        }
+        Err(e) => log::error!("main process spec {}: {e}", path.display()),
+    }
 }

@@ -36,7 +36,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{sleep_until, Instant};
 
 use super::procs::Proc;
-use super::{reply_error, Reader, Shared};
+use super::{Reader, Shared};
 use crate::protocol::{
     Bytes, ErrorCode, ErrorMsg, Exec, ExecStarted, Exit, Message, Output, StdinMode, StreamKind,
 };
@@ -63,6 +63,11 @@ impl ExecTable {
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         self.lock().insert(id, pgid);
         id
+    }
+
+    /// An id for an exec that never ran (a main process that failed to start).
+    pub(super) fn reserve(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     fn unregister(&self, id: u64) {
@@ -171,6 +176,102 @@ fn command(root: &Path, req: &Exec) -> Result<Command, ErrorMsg> {
     Ok(cmd)
 }
 
+/// A spawned exec: registered for `Kill`, its stdin being fed or handed over.
+struct Spawned {
+    child: Child,
+    pid: u32,
+    pgid: Pid,
+    exec_id: u64,
+    registered: Registered,
+    slot: tokio::sync::OwnedSemaphorePermit,
+    start: Instant,
+    deadline: Option<Instant>,
+    feeder: Option<tokio::task::JoinHandle<()>>,
+    stdin_stream: Option<ChildStdin>,
+}
+
+/// Takes an exec slot, builds `req`'s command and spawns it.
+fn spawn(sh: &Arc<Shared>, req: &Exec) -> Result<Spawned, ErrorMsg> {
+    let Ok(slot) = sh.exec_slots.clone().try_acquire_owned() else {
+        let why = format!(
+            "Too many execs running (at most {}, background ones included)",
+            sh.config.max_execs
+        );
+        return Err(ErrorMsg::new(ErrorCode::Busy, why));
+    };
+    let mut cmd = command(&sh.config.root, req)?;
+    let start = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| {
+        ErrorMsg::new(
+            ErrorCode::SpawnFailed,
+            format!("Cannot start {:?}: {e}", req.command),
+        )
+    })?;
+    let pid = child.id().unwrap_or(0);
+    // process_group(0): the child leads a group whose id is its pid.
+    let Some(pgid) = Pid::from_raw(pid as i32) else {
+        return Err(ErrorMsg::new(ErrorCode::Internal, "The child has no pid"));
+    };
+    let exec_id = sh.execs.register(pgid);
+    let registered = Registered(sh.clone(), exec_id);
+    debug!(
+        "exec {exec_id}: pid {pid} {:?}{}",
+        req.command,
+        if req.background { " (background)" } else { "" }
+    );
+    let stdin = child.stdin.take();
+    let (stdin_bytes, stdin_stream) = match &req.stdin {
+        StdinMode::Bytes(b) => (stdin.map(|s| (s, b.clone())), None),
+        StdinMode::Stream => (None, stdin),
+        StdinMode::Null => (None, None),
+    };
+    let feeder = stdin_bytes.map(|(mut s, bytes)| {
+        tokio::spawn(async move {
+            let _ = s.write_all(&bytes).await;
+        })
+    });
+    Ok(Spawned {
+        child,
+        pid,
+        pgid,
+        exec_id,
+        registered,
+        slot,
+        start,
+        deadline: req.timeout_ms.map(|ms| start + Duration::from_millis(ms)),
+        feeder,
+        stdin_stream,
+    })
+}
+
+/// Starts a background exec: from now on the process is the agent's, its
+/// events in its ring (see `procs`). Also how the main process is started.
+pub(super) fn start_background(sh: &Arc<Shared>, req: &Exec) -> Result<ExecStarted, ErrorMsg> {
+    // The ring bounds a background process's memory: only the request's cap applies.
+    let limit = req.output_limit.unwrap_or(u64::MAX);
+    let s = spawn(sh, req)?;
+    let (exec_id, pid) = (s.exec_id, s.pid);
+    let proc = sh
+        .procs
+        .insert(exec_id, pid, &req.command, &req.argv, s.stdin_stream);
+    let sh = sh.clone();
+    tokio::spawn(async move {
+        let mut sink = Sink::<tokio::io::Sink>::Ring(&proc);
+        let exit = follow(
+            s.child, s.pgid, s.start, s.deadline, limit, s.feeder, None, &mut sink,
+        )
+        .await;
+        debug!("exec {exec_id} (background): {exit:?}");
+        // No longer signalled, no longer counted, no longer fed; then visible.
+        drop(s.registered);
+        drop(s.slot);
+        proc.close_stdin().await;
+        sh.procs.finished(exec_id);
+        proc.push_exit(exit);
+    });
+    Ok(ExecStarted { exec_id, pid })
+}
+
 /// Runs one exec on this connection: `ExecStarted`, output, `Exit`; or, for a
 /// background exec, `ExecStarted` alone, the process then running on its own task.
 /// Returns an error when the connection is no longer usable.
@@ -184,95 +285,47 @@ pub(super) async fn run<S>(
 where
     S: tokio::io::AsyncRead + AsyncWrite + Send + 'static,
 {
-    let Ok(slot) = sh.exec_slots.clone().try_acquire_owned() else {
-        let why = format!(
-            "Too many execs running (at most {}, background ones included)",
-            sh.config.max_execs
-        );
-        return reply_error(w, id, ErrorCode::Busy, why).await;
-    };
-    let limit = match (req.background, req.output_limit) {
-        // The ring bounds a background process's memory: only the request's cap applies.
-        (true, l) => l.unwrap_or(u64::MAX),
-        (false, l) => l.map_or(sh.config.output_limit, |l| l.min(sh.config.output_limit)),
-    };
-    let mut cmd = match command(&sh.config.root, &req) {
-        Ok(c) => c,
+    if req.background {
+        // The process is the agent's once started: a connection that fails
+        // here changes nothing.
+        let answer: Message = match start_background(sh, &req) {
+            Ok(started) => started.into(),
+            Err(e) => e.into(),
+        };
+        return write_frame(w, id, &answer).await;
+    }
+    let limit = req
+        .output_limit
+        .map_or(sh.config.output_limit, |l| l.min(sh.config.output_limit));
+    let mut s = match spawn(sh, &req) {
+        Ok(s) => s,
         Err(e) => return write_frame(w, id, &e.into()).await,
     };
-    let start = Instant::now();
-    let mut child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            let why = format!("Cannot start {:?}: {e}", req.command);
-            return reply_error(w, id, ErrorCode::SpawnFailed, why).await;
-        }
+    let started = ExecStarted {
+        exec_id: s.exec_id,
+        pid: s.pid,
     };
-    let pid = child.id().unwrap_or(0);
-    // process_group(0): the child leads a group whose id is its pid.
-    let pgid = Pid::from_raw(pid as i32)
-        .ok_or_else(|| WireError::Io(std::io::Error::other("child has no pid")))?;
-    let exec_id = sh.execs.register(pgid);
-    let registered = Registered(sh.clone(), exec_id);
-    debug!(
-        "exec {exec_id}: pid {pid} {:?}{}",
-        req.command,
-        if req.background { " (background)" } else { "" }
-    );
-
-    let stdin = child.stdin.take();
-    let (stdin_bytes, stdin_stream) = match req.stdin {
-        StdinMode::Bytes(b) => (stdin.map(|s| (s, b)), None),
-        StdinMode::Stream => (None, stdin),
-        StdinMode::Null => (None, None),
-    };
-    let feeder = stdin_bytes.map(|(mut s, bytes)| {
-        tokio::spawn(async move {
-            let _ = s.write_all(&bytes).await;
-        })
-    });
-    let deadline = req.timeout_ms.map(|ms| start + Duration::from_millis(ms));
-
-    if req.background {
-        let proc = sh
-            .procs
-            .insert(exec_id, pid, &req.command, &req.argv, stdin_stream);
-        let sh = sh.clone();
-        tokio::spawn(async move {
-            let mut sink = Sink::<tokio::io::Sink>::Ring(&proc);
-            let exit = follow(child, pgid, start, deadline, limit, feeder, None, &mut sink).await;
-            debug!("exec {exec_id} (background): {exit:?}");
-            // No longer signalled, no longer counted, no longer fed; then visible.
-            drop(registered);
-            drop(slot);
-            proc.close_stdin().await;
-            sh.procs.finished(exec_id);
-            proc.push_exit(exit);
-        });
-        // The process is the agent's now: a connection that fails here changes nothing.
-        return write_frame(w, id, &ExecStarted { exec_id, pid }.into()).await;
-    }
-
-    if let Err(e) = write_frame(w, id, &ExecStarted { exec_id, pid }.into()).await {
-        let _ = kill_process_group(pgid, Signal::KILL);
-        let _ = child.wait().await;
+    if let Err(e) = write_frame(w, id, &started.into()).await {
+        let _ = kill_process_group(s.pgid, Signal::KILL);
+        let _ = s.child.wait().await;
         return Err(e);
     }
-    let watcher = tokio::spawn(watch(reader.clone(), stdin_stream, id));
+    let watcher = tokio::spawn(watch(reader.clone(), s.stdin_stream, id));
     let mut sink = Sink::Conn { w, id, ok: true };
     let exit = follow(
-        child,
-        pgid,
-        start,
-        deadline,
+        s.child,
+        s.pgid,
+        s.start,
+        s.deadline,
         limit,
-        feeder,
+        s.feeder,
         Some(watcher),
         &mut sink,
     )
     .await;
-    debug!("exec {exec_id}: {exit:?}");
-    drop(registered);
+    debug!("exec {}: {exit:?}", s.exec_id);
+    drop(s.registered);
+    drop(s.slot);
     match sink {
         Sink::Conn { w, ok: true, .. } => write_frame(w, id, &exit.into()).await,
         _ => Err(WireError::Io(std::io::ErrorKind::ConnectionAborted.into())),

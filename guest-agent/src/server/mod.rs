@@ -18,13 +18,14 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use log::{debug, info, warn};
+use log::{debug, error, info, warn};
 use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::UnixListener;
 use tokio::sync::{Mutex, Semaphore};
 
 use crate::files::Resolver;
 use crate::identity;
+use crate::main_process::MainProcess;
 use crate::protocol::{
     self, ErrorCode, ErrorMsg, Message, Pong, ProtocolError, DEFAULT_MAX_FINISHED,
     DEFAULT_OUTPUT_LIMIT, DEFAULT_RING_BYTES, MAX_PAYLOAD, VERSION,
@@ -116,6 +117,40 @@ impl Server {
 
     pub fn config(&self) -> &Config {
         &self.shared.config
+    }
+
+    /// Starts the sandbox's main process (see [`crate::main_process`]) as a
+    /// background process; returns its exec id. One that cannot start is
+    /// still listed, as finished with status 127 and the reason on its
+    /// stderr, so the host sees why.
+    pub fn start_main(&self, spec: &MainProcess) -> u64 {
+        let req = spec.to_exec();
+        match exec::start_background(&self.shared, &req) {
+            Ok(started) => {
+                info!(
+                    "main process {:?} started: exec {}, pid {}",
+                    spec.args, started.exec_id, started.pid
+                );
+                started.exec_id
+            }
+            Err(e) => {
+                let why = format!(
+                    "sprout-agent: the main process did not start: {}\n",
+                    e.message
+                );
+                error!("{}", why.trim_end());
+                let sh = &self.shared;
+                let exec_id = sh.execs.reserve();
+                let proc = sh.procs.insert(exec_id, 0, &req.command, &req.argv, None);
+                proc.push_output(protocol::StreamKind::Stderr, why.as_bytes());
+                sh.procs.finished(exec_id);
+                proc.push_exit(protocol::Exit {
+                    code: Some(127),
+                    ..Default::default()
+                });
+                exec_id
+            }
+        }
     }
 
     /// Serves connections from `listener` until accepting fails.
