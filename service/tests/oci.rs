@@ -138,10 +138,7 @@ fn a_registry_image_becomes_a_base_image_with_its_layers_applied() {
     // How the image asks to be run.
     let c = &img["config"];
     assert_eq!(c["entrypoint"], serde_json::json!(["/bin/sh", "-c"]));
-    assert_eq!(
-        c["cmd"],
-        serde_json::json!(["echo hello from the entrypoint > /workspace/entrypoint.out"])
-    );
+    assert_eq!(c["cmd"], serde_json::json!([MAIN_CMD]));
     assert!(
         c["env"]
             .as_array()
@@ -151,8 +148,25 @@ fn a_registry_image_becomes_a_base_image_with_its_layers_applied() {
         "{c}"
     );
     assert_eq!(c["workingDir"], "/data");
-    assert_eq!(c["user"], "0:0");
+    assert_eq!(c["user"], "user");
     assert_eq!(c["exposedPorts"], serde_json::json!(["8000/tcp"]));
+    // What the agent starts as the sandbox's main process: the entrypoint
+    // and cmd, the image's env (with PATH and HOME filled in), its working
+    // dir, its user as the image's /etc/passwd names it.
+    let main: serde_json::Value =
+        serde_json::from_str(&read_in(&path, "/.sprout/main.json").unwrap()).unwrap();
+    assert_eq!(
+        main["args"],
+        serde_json::json!(["/bin/sh", "-c", MAIN_CMD]),
+        "{main}"
+    );
+    assert_eq!((&main["uid"], &main["gid"]), (&1000.into(), &1000.into()));
+    assert_eq!(main["cwd"], "/data");
+    let env = main["env"].as_array().unwrap();
+    for kv in [["GREETING", "hello"], ["HOME", "/home/user"]] {
+        assert!(env.contains(&serde_json::json!(kv)), "{kv:?} in {main}");
+    }
+    assert!(env.iter().any(|e| e[0] == "PATH"), "{main}");
 
     // Again by tag: one manifest request, no blob fetched, the same image.
     let blobs = reg.requests("/blobs/");

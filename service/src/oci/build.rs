@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest as _, Sha256};
 
+use guest_agent::main_process::{MainProcess, DEFAULT_PATH, SPEC_PATH};
+
 use super::unpack::resolve;
-use super::OciError;
+use super::{OciError, RunConfig};
 
 /// Sprout's root set-up script (guest/images/sprout-init), made to run on
 /// its own busybox: `/.sprout/bin` comes last in its PATH, so the image's
@@ -19,7 +21,7 @@ const INIT: &str = include_str!("../../../guest/images/sprout-init");
 /// Applets the init script uses.
 const APPLETS: [&str; 6] = ["sh", "mount", "umount", "mkdir", "cat", "pivot_root"];
 /// Bumped when what this module adds to an image changes.
-const LAYOUT_VERSION: &str = "sprout-oci-1";
+const LAYOUT_VERSION: &str = "sprout-oci-2";
 
 /// What Sprout adds to every OCI image, found on this host.
 pub struct SproutFiles {
@@ -73,8 +75,9 @@ impl SproutFiles {
         Ok(format!("{:x}", h.finalize())[..16].to_owned())
     }
 
-    /// Adds Sprout's files to the unpacked root `root`.
-    pub fn add_to(&self, root: &Path) -> Result<(), OciError> {
+    /// Adds Sprout's files to the unpacked root `root`, with the main
+    /// process spec when the image has one.
+    pub fn add_to(&self, root: &Path, main: Option<&MainProcess>) -> Result<(), OciError> {
         for (dir, mode) in [
             ("dev", 0o755),
             ("proc", 0o555),
@@ -111,8 +114,117 @@ impl SproutFiles {
         std::fs::write(&init, init_script()).map_err(|e| OciError::io("write", &init, e))?;
         set_mode(&init, 0o755)?;
         install(&self.agent, &sbin.join("sprout-agent"))?;
+        if let Some(m) = main {
+            let p = root.join(SPEC_PATH.trim_start_matches('/'));
+            std::fs::write(&p, m.to_json()).map_err(|e| OciError::io("write", &p, e))?;
+            set_mode(&p, 0o444)?;
+        }
         Ok(())
     }
+}
+
+/// The main process of image `c` (its entrypoint then its cmd), with its
+/// user resolved in the image's own /etc/passwd and /etc/group (as a
+/// container runtime would); `None` when the image names no program.
+pub fn main_process(root: &Path, c: &RunConfig) -> Result<Option<MainProcess>, OciError> {
+    let args: Vec<String> = c.entrypoint.iter().chain(&c.cmd).cloned().collect();
+    if args.first().is_none_or(|a| a.is_empty()) {
+        return Ok(None);
+    }
+    let mut env: Vec<(String, String)> = Vec::new();
+    for e in &c.env {
+        // "NAME=value"; a bare name (no '=') sets nothing, as in Docker.
+        if let Some((k, v)) = e.split_once('=') {
+            if k.is_empty() || e.contains('\0') {
+                return Err(OciError::Unsupported(format!(
+                    "the image's environment entry {e:?} is not NAME=value"
+                )));
+            }
+            env.retain(|(old, _)| old != k);
+            env.push((k.to_owned(), v.to_owned()));
+        }
+    }
+    let (uid, gid, home) = user_of(root, c.user.as_deref().unwrap_or(""))?;
+    for (k, v) in [("PATH", DEFAULT_PATH.to_owned()), ("HOME", home)] {
+        if !env.iter().any(|(n, _)| n == k) {
+            env.push((k.into(), v));
+        }
+    }
+    let cwd = match c.working_dir.as_deref() {
+        Some(w) if w.starts_with('/') => w.to_owned(),
+        Some(w) => format!("/{w}"),
+        None => "/".to_owned(),
+    };
+    Ok(Some(MainProcess {
+        args,
+        env,
+        cwd,
+        uid,
+        gid,
+    }))
+}
+
+/// `user`, `uid`, `user:group`, `uid:gid` (any mix) as the image's files
+/// name them: (uid, gid, home). An empty user is root.
+fn user_of(root: &Path, user: &str) -> Result<(u32, u32, String), OciError> {
+    let passwd = read_in_root(root, "etc/passwd");
+    let group = read_in_root(root, "etc/group");
+    // name:x:uid:gid:gecos:home:shell
+    let entry = |pred: &dyn Fn(&[&str]) -> bool| -> Option<(u32, u32, String)> {
+        passwd.lines().find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            if f.len() < 6 || !pred(&f) {
+                return None;
+            }
+            Some((f[2].parse().ok()?, f[3].parse().ok()?, f[5].to_owned()))
+        })
+    };
+    let (u, g) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
+    };
+    let (uid, mut gid, home) = if u.is_empty() {
+        (0, 0, "/root".to_owned())
+    } else if let Ok(n) = u.parse::<u32>() {
+        entry(&|f| f[2] == u).unwrap_or((n, 0, "/".to_owned()))
+    } else {
+        entry(&|f| f[0] == u).ok_or_else(|| {
+            OciError::Unsupported(format!("the image's user {u:?} is not in its /etc/passwd"))
+        })?
+    };
+    if let Some(g) = g.filter(|g| !g.is_empty()) {
+        gid = match g.parse::<u32>() {
+            Ok(n) => n,
+            Err(_) => group
+                .lines()
+                .find_map(|l| {
+                    let f: Vec<&str> = l.split(':').collect();
+                    if f.len() < 3 || f[0] != g {
+                        return None;
+                    }
+                    f[2].parse().ok()
+                })
+                .ok_or_else(|| {
+                    OciError::Unsupported(format!(
+                        "the image's group {g:?} is not in its /etc/group"
+                    ))
+                })?,
+        };
+    }
+    Ok((uid, gid, if home.is_empty() { "/".into() } else { home }))
+}
+
+/// A small file of the image (at most 1 MiB read), or "" if it has none.
+fn read_in_root(root: &Path, rel: &str) -> String {
+    let parts: Vec<std::ffi::OsString> = rel.split('/').map(Into::into).collect();
+    let Ok(p) = resolve(root, &parts, true) else {
+        return String::new();
+    };
+    let mut s = String::new();
+    if let Ok(f) = std::fs::File::open(&p) {
+        let _ = f.take(1 << 20).read_to_string(&mut s);
+    }
+    s
 }
 
 /// The init script for OCI images (see [`INIT`]).
@@ -237,6 +349,73 @@ mod tests {
         let s = init_script();
         assert!(s.starts_with("#!/.sprout/bin/sh\n"), "{}", &s[..40]);
         assert!(s.contains("\nPATH=/usr/sbin:/usr/bin:/sbin:/bin:/.sprout/bin\n"));
+    }
+
+    fn root_with_users() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("etc")).unwrap();
+        std::fs::write(
+            d.path().join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\napp:x:1000:1001:App:/home/app:/bin/sh\n",
+        )
+        .unwrap();
+        std::fs::write(d.path().join("etc/group"), "root:x:0:\nstaff:x:50:app\n").unwrap();
+        d
+    }
+
+    fn config(user: Option<&str>) -> RunConfig {
+        RunConfig {
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["exec server".into()],
+            env: vec!["A=1".into(), "A=2".into(), "BARE".into(), "B=x=y".into()],
+            working_dir: Some("srv".into()),
+            user: user.map(Into::into),
+            ..RunConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_main_process_is_the_entrypoint_then_the_cmd_with_the_images_env_and_user() {
+        let d = root_with_users();
+        let m = main_process(d.path(), &config(Some("app:staff")))
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.args, ["/bin/sh", "-c", "exec server"]);
+        assert_eq!((m.uid, m.gid), (1000, 50));
+        assert_eq!(m.cwd, "/srv");
+        let env: Vec<(&str, &str)> = m.env.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(
+            env,
+            [
+                ("A", "2"),
+                ("B", "x=y"),
+                ("PATH", DEFAULT_PATH),
+                ("HOME", "/home/app")
+            ]
+        );
+        for (user, want) in [
+            (None, (0, 0)),
+            (Some(""), (0, 0)),
+            (Some("app"), (1000, 1001)),
+            (Some("1000"), (1000, 1001)),
+            (Some("4242"), (4242, 0)),
+            (Some("4242:7"), (4242, 7)),
+            (Some("root:staff"), (0, 50)),
+        ] {
+            let m = main_process(d.path(), &config(user)).unwrap().unwrap();
+            assert_eq!((m.uid, m.gid), want, "{user:?}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_user_or_group_is_refused_and_no_program_is_no_main_process() {
+        let d = root_with_users();
+        for bad in ["nobody", "app:nogroup"] {
+            let e = main_process(d.path(), &config(Some(bad))).unwrap_err();
+            assert_eq!(e.code(), "image_unsupported", "{bad}: {e}");
+        }
+        let none = RunConfig::default();
+        assert!(main_process(d.path(), &none).unwrap().is_none());
     }
 
     #[test]

@@ -362,10 +362,20 @@ pub async fn pull(
     }
     progress(Progress::Building);
     let started = Instant::now();
+    let c = config.config.unwrap_or_default();
+    let run_config = RunConfig {
+        entrypoint: c.entrypoint.unwrap_or_default(),
+        cmd: c.cmd.unwrap_or_default(),
+        env: c.env.unwrap_or_default(),
+        working_dir: c.working_dir.filter(|w| !w.is_empty()),
+        user: c.user.filter(|u| !u.is_empty()),
+        exposed_ports: c.exposed_ports.unwrap_or_default().into_keys().collect(),
+    };
     let ext4 = work.join("rootfs.ext4");
-    let (root, out) = (rootfs.clone(), ext4.clone());
+    let (root, out, rc) = (rootfs.clone(), ext4.clone(), run_config.clone());
     let size_bytes = tokio::task::spawn_blocking(move || {
-        sprout.add_to(&root)?;
+        let main = build::main_process(&root, &rc)?;
+        sprout.add_to(&root, main.as_ref())?;
         let n = build::make_ext4(&root, &out)?;
         let _ = std::fs::remove_dir_all(&root);
         Ok::<_, OciError>(n)
@@ -375,21 +385,13 @@ pub async fn pull(
     log::debug!("oci: ext4 built in {} ms", started.elapsed().as_millis());
 
     let final_dir = images.join(format!("{hex}-{key}"));
-    let c = config.config.unwrap_or_default();
     let img = OciImage {
         reference: source.to_string(),
         digest: manifest.digest.clone(),
         path: final_dir.join("rootfs.ext4"),
         size_bytes,
         layers: of,
-        config: RunConfig {
-            entrypoint: c.entrypoint.unwrap_or_default(),
-            cmd: c.cmd.unwrap_or_default(),
-            env: c.env.unwrap_or_default(),
-            working_dir: c.working_dir.filter(|w| !w.is_empty()),
-            user: c.user.filter(|u| !u.is_empty()),
-            exposed_ports: c.exposed_ports.unwrap_or_default().into_keys().collect(),
-        },
+        config: run_config,
         built_at_ms: now_ms(),
         cached: false,
     };

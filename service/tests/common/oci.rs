@@ -322,6 +322,12 @@ pub fn tar_layer(path: &Path, entries: &[(&str, &str)]) {
     b.finish().unwrap();
 }
 
+/// The test image's cmd (after its entrypoint `/bin/sh -c`): it writes
+/// what it was started with, then serves /data over HTTP on port 8000.
+pub const MAIN_CMD: &str =
+    "echo \"$GREETING from $(pwd) as $(id -u):$(id -g)\" >/tmp/entrypoint.out \
+     && exec httpd -f -p 8000 -h /data";
+
 /// The image the OCI tests share, in layout `dir` as tag `tag`:
 /// 1. busybox (its applets linked into /bin), /etc/os-release, files to be
 ///    deleted later, `/data/opq/lower`, a hard link, a private file owned
@@ -331,8 +337,8 @@ pub fn tar_layer(path: &Path, entries: &[(&str, &str)]) {
 /// 3. (by hand) marks `/data/opq` opaque, adds `/data/opq/upper`, and
 ///    writes `lib/marker` (through the symlink, into `/usr/lib`).
 ///
-/// Its config: entrypoint `/bin/sh -c`, cmd, env, working dir, user and an
-/// exposed port. `unique` goes into a file, so images built with
+/// Its config: entrypoint `/bin/sh -c`, cmd [`MAIN_CMD`], env, working dir,
+/// user (`user`, 1000:1000 in its /etc/passwd) and an exposed port. `unique` goes into a file, so images built with
 /// different values have different layers.
 pub fn build_test_image(dir: &Path, tag: &str, unique: &str) -> Layout {
     let l = Layout::new(dir, tag);
@@ -342,10 +348,18 @@ pub fn build_test_image(dir: &Path, tag: &str, unique: &str) -> Layout {
             std::fs::create_dir_all(root.join(d)).unwrap();
         }
         std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-        for a in ["sh", "cat", "ls", "echo", "test", "stat", "id"] {
+        for a in [
+            "sh", "cat", "ls", "echo", "test", "stat", "id", "httpd", "wget", "sleep", "seq",
+        ] {
             std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).unwrap();
         }
         std::fs::write(root.join("etc/os-release"), "ID=sprout-oci-test\n").unwrap();
+        std::fs::write(
+            root.join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:User:/home/user:/bin/sh\n",
+        )
+        .unwrap();
+        std::fs::write(root.join("etc/group"), "root:x:0:\nuser:x:1000:\n").unwrap();
         std::fs::write(root.join("etc/x"), "to be whited out\n").unwrap();
         std::fs::write(root.join("etc/gone/y"), "gone with its dir\n").unwrap();
         std::fs::write(root.join("etc/motd"), "first\n").unwrap();
@@ -383,13 +397,13 @@ pub fn build_test_image(dir: &Path, tag: &str, unique: &str) -> Layout {
         "--config.entrypoint",
         "-c",
         "--config.cmd",
-        "echo hello from the entrypoint > /workspace/entrypoint.out",
+        MAIN_CMD,
         "--config.env",
         "GREETING=hello",
         "--config.workingdir",
         "/data",
         "--config.user",
-        "0:0",
+        "user",
         "--config.exposedports",
         "8000/tcp",
     ]);
