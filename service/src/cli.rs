@@ -193,7 +193,8 @@ pub struct Ids {
 
 #[derive(Args)]
 pub struct CreateArgs {
-    /// An image `sprout info` lists (default: sproutd's default image).
+    /// An image `sprout info` lists, or an OCI reference (REGISTRY/NAME:TAG,
+    /// oci:/PATH:TAG) sproutd pulls (default: sproutd's default image).
     #[arg(long)]
     pub image: Option<String>,
     /// A snapshot or checkpoint id to restore from (its image and shape).
@@ -430,8 +431,9 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
             if !conn.json && std::io::stderr().is_terminal() {
                 eprintln!("sprout: creating a sandbox (a first boot of an image takes a while)");
             }
-            // A first create of an image and shape builds its template:
-            // sproutd says so (503 template_building), and this waits.
+            // A first create of an image and shape builds its template, a
+            // first create of an OCI image pulls it: sproutd says so (503
+            // template_building, image_pulling), and this waits.
             let body = Value::Object(body);
             let t = std::time::Instant::now();
             let mut told = false;
@@ -445,6 +447,13 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
                             told = true;
                         }
                         std::thread::sleep(Duration::from_secs(1));
+                    }
+                    // An OCI image's pull: say how far it got each time.
+                    Err(Failure(m)) if m.contains("(image_pulling,") && t.elapsed() < TIMEOUT => {
+                        if !conn.json && std::io::stderr().is_terminal() {
+                            eprintln!("sprout: {m}");
+                        }
+                        std::thread::sleep(Duration::from_secs(2));
                     }
                     r => break r?,
                 }

@@ -2,11 +2,14 @@
 //! and files over three layers, whiteouts and an opaque directory among
 //! them), made into a base image by `sprout image pull`, then run with
 //! `sprout vm run --image` inside the emulated lab (tests/lab/), where
-//! Sprout's init and agent, added by the conversion, bring it up and run
-//! commands in it.
+//! Sprout's init and agent, added by the conversion, bring it up, start the
+//! image's entrypoint as its main process (the `container` runtime) and
+//! run commands beside it.
 
 mod common;
 use common::oci::*;
+
+use std::process::Command;
 
 use sprout_tests::lab;
 
@@ -33,7 +36,12 @@ fn an_oci_image_boots_with_sprouts_init_and_agent_and_runs_commands() {
            echo opq: $(ls /data/opq); echo marker: $(cat /lib/marker); \
            echo private: $(stat -c %u:%g:%a /home/user/private); \
            echo data > /workspace/w && echo workspace: $(cat /workspace/w); \
-           echo pid1: $(cat /proc/1/comm)'\n\
+           echo pid1: $(cat /proc/1/comm); \
+           i=0; until [ -s /tmp/entrypoint.out ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done; \
+           echo main: $(cat /tmp/entrypoint.out); \
+           i=0; until wget -qO /tmp/page http://127.0.0.1:8000/original || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done; \
+           echo http: $(cat /tmp/page); \
+           for p in /proc/[0-9]*; do [ \"$(cat $p/comm 2>/dev/null)\" = httpd ] && echo httpd-user: $(stat -c %u $p); done; true'\n\
          echo \"status: $?\"",
     )
     .file(&path)
@@ -44,7 +52,7 @@ fn an_oci_image_boots_with_sprouts_init_and_agent_and_runs_commands() {
         assert_eq!(v.len(), 1, "{k} in:\n{}", run.stdout);
         v[0].to_owned()
     };
-    assert_eq!(one("status:"), "0");
+    assert_eq!(one("status:"), "0", "{}", run.stdout);
     assert_eq!(one("os:"), "ID=sprout-oci-test");
     assert_eq!(one("motd:"), "second");
     assert_eq!(one("x:"), "absent");
@@ -54,4 +62,119 @@ fn an_oci_image_boots_with_sprouts_init_and_agent_and_runs_commands() {
     assert_eq!(one("private:"), "1000:1000:600");
     assert_eq!(one("workspace:"), "data");
     assert_eq!(one("pid1:"), "sprout-agent");
+    // The container runtime: the agent started the image's entrypoint and
+    // cmd with its env, working dir and user, and it serves HTTP.
+    assert_eq!(one("main:"), "hello from /data as 1000:1000");
+    assert_eq!(one("http:"), "linked");
+    assert_eq!(one("httpd-user:"), "1000");
 }
+
+/// What `sproutd` in the lab does with an OCI image: the first create pulls
+/// it (a local layout here) and builds the template of its digest, the
+/// sandbox's image is the reference pinned to that digest, the image's
+/// entrypoint runs as the sandbox's main process (its first background
+/// process) with exec beside it, a second create restores the same
+/// template, and a bad reference or an unknown tag is a clear 400.
+#[test]
+fn sproutd_runs_an_oci_image_with_its_entrypoint_as_the_main_process() {
+    require_tools();
+    let dir = tempfile::tempdir().unwrap();
+    let layout = build_test_image(&dir.path().join("layout"), "1", "sproutd");
+    let tar = dir.path().join("layout.tar");
+    run(Command::new("tar")
+        .arg("-cf")
+        .arg(&tar)
+        .arg("-C")
+        .arg(dir.path())
+        .arg("layout"));
+    let out = lab::Script::new(SPROUTD_SCRIPT)
+        .file(&tar)
+        .timeout(std::time::Duration::from_secs(1500))
+        .run();
+    out.assert_success();
+    let o = &out.stdout;
+    let json = |k: &str| -> serde_json::Value {
+        let v = out.values(k);
+        assert_eq!(v.len(), 1, "{k} in:\n{o}");
+        serde_json::from_str(v[0]).unwrap_or_else(|e| panic!("{k}: {e}\n{o}"))
+    };
+    let pinned = format!("oci:/tmp/img/layout:1@{}", layout.digest());
+    let first = json("created:");
+    assert_eq!(first["image"], pinned.as_str(), "{o}");
+    assert_eq!(first["state"], "running", "{o}");
+    assert!(
+        first["snapshotId"].is_string(),
+        "restored from its template: {o}"
+    );
+    assert_eq!(
+        json("main:")["stdout"],
+        "hello from /data as 1000:1000\n",
+        "{o}"
+    );
+    assert_eq!(json("http:")["stdout"], "linked", "{o}");
+    let procs = json("procs:");
+    let main = &procs["processes"][0];
+    assert_eq!(main["command"], "/bin/sh", "{o}");
+    assert_eq!(main["running"], true, "{o}");
+    let info = json("info:");
+    assert!(
+        info["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["name"] == pinned.as_str()),
+        "{o}"
+    );
+    let templates = json("templates:");
+    let t = &templates["templates"].as_array().unwrap();
+    assert_eq!(t.len(), 1, "{o}");
+    assert_eq!(t[0]["image"], pinned.as_str(), "{o}");
+    let second = json("second:");
+    assert_eq!(second["image"], pinned.as_str(), "{o}");
+    assert_eq!(second["snapshotId"], first["snapshotId"], "{o}");
+    assert_eq!(
+        json("bad-ref:")["error"]["code"],
+        "bad_image_reference",
+        "{o}"
+    );
+    let missing = json("no-tag:");
+    assert_eq!(missing["error"]["code"], "image_not_found", "{o}");
+    assert_eq!(missing["error"]["field"], "image", "{o}");
+    assert_eq!(out.values("deleted:"), ["true", "true"], "{o}");
+    assert_eq!(out.values("daemon-exit:"), ["0"], "{o}");
+}
+
+const SPROUTD_SCRIPT: &str = r#"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+mkdir -p /tmp/img && tar -xf /lab/layout.tar -C /tmp/img
+sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
+daemon=$!
+i=0
+until sprout api GET /v1/health >/dev/null 2>&1; do
+  i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
+  sleep 0.1
+done
+api() { sprout api "$@" 2>/dev/null; }
+ref=oci:/tmp/img/layout:1
+# The first create pulls the image and builds its template (the CLI waits
+# through image_pulling and template_building), then restores it.
+out=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/tmp/create.err) ||
+  { echo "create failed: $out $(cat /tmp/create.err)"; cat /tmp/sd.log; exit 11; }
+echo "created: $out"
+id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+x=/v1/runtime/vms/$id/exec
+echo "main: $(api POST $x '{"command":"/bin/sh","argv":["-c","i=0; until [ -s /tmp/entrypoint.out ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done; cat /tmp/entrypoint.out"]}')"
+echo "http: $(api POST $x '{"command":"/bin/sh","argv":["-c","i=0; until wget -qO- http://127.0.0.1:8000/original || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done | tr -d \"\\n\""]}')"
+echo "procs: $(api GET /v1/runtime/vms/$id/processes)"
+echo "info: $(api GET /v1/info)"
+echo "templates: $(api GET /v1/runtime/templates)"
+out2=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/dev/null)
+echo "second: $out2"
+echo "bad-ref: $(api POST /v1/runtime/schedule '{"image":"oci:"}')"
+echo "no-tag: $(api POST /v1/runtime/schedule '{"image":"oci:/tmp/img/layout:nope"}')"
+for v in $id $(echo "$out2" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p'); do
+  api DELETE /v1/runtime/vms/$v | sed -n 's/.*"deleted":\([a-z]*\).*/deleted: \1/p'
+done
+kill $daemon; wait $daemon
+echo "daemon-exit: $?"
+"#;

@@ -6,10 +6,12 @@
 # (linked as .../lab):
 #   vmlinuz       Debian's linux-image-cloud-amd64 kernel
 #   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass and virtio modules, sprout
-#                 (release build and its shared libraries), the test guest and
-#                 the guest kernel
-#   images.ext4   the guest images (test, default, scratch), attached read-only
-#                 as the outer VM's virtio disk and mounted at /opt/sprout/images
+#                 (release build and its shared libraries), mkfs.ext4 (and its
+#                 libraries and mke2fs.conf: a lab sproutd converts OCI images),
+#                 the test guest and the guest kernel
+#   images.ext4   the guest images (test, default, scratch) and the static
+#                 agent OCI conversions add, attached read-only as the outer
+#                 VM's virtio disk and mounted at /opt/sprout/images
 #   guest.syms    the guest kernel's text symbols
 #   guest.vmlinux the guest kernel's path (for the bytes at a frozen CPU's RIP)
 #
@@ -143,14 +145,19 @@ sprout=$(printf '%s\n' "$json" | grep '"reason":"compiler-artifact"' | grep '"ex
 testguest=$(printf '%s\n' "$json" | grep -o '"TESTGUEST_PATH","[^"]*"' | tail -1 | cut -d'"' -f4)
 [ -x "$sprout" ] || die "no sprout binary at $sprout"
 [ -f "$testguest" ] || die "cannot find the test guest the sprout build made"
-# Every shared object sprout loads, the dynamic loader included (absolute paths).
-libs=$(ldd "$sprout" | grep -o '/[^ ]*' | sort -u)
+# OCI conversion in the lab: mkfs.ext4, and the static agent build-images.sh made.
+mkfs=$(command -v mkfs.ext4)
+agent=$cache/images/.sprout-agent.stripped
+[ -f "$agent" ] || die "no guest agent at $agent (guest/build-images.sh builds it)"
+# Every shared object sprout and mkfs.ext4 load, the dynamic loader included
+# (absolute paths).
+libs=$({ ldd "$sprout"; ldd "$mkfs"; } | grep -o '/[^ ]*' | sort -u)
 
 # --- 3. The lab itself, keyed by everything above -----------------------------
 key=$( {
   echo "$pkg $ver"
   # shellcheck disable=SC2086
-  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" $libs
+  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" "$mkfs" /etc/mke2fs.conf "$agent" $libs
   for n in "${images[@]}"; do echo "$n ${image_path[$n]}"; done
 } | sha | cut -c1-16)
 lab=$cache/lab-$key
@@ -167,12 +174,14 @@ tmps+=("$tmp")
 chmod 0755 "$tmp"
 say "assembling the initramfs"
 ird=$tmp/initrd
-mkdir -p "$ird"/{bin,dev,proc,sys,tmp,lib/modules,opt/sprout/bin,opt/sprout/images,lab}
+mkdir -p "$ird"/{bin,dev,proc,sys,tmp,etc,usr/sbin,lib/modules,opt/sprout/bin,opt/sprout/images,lab}
 cp /bin/busybox "$ird/bin/busybox"
 install -m 0755 "$here/init" "$ird/init"
 cp "$outer"/modules/*.ko "$ird/lib/modules/"
 cp "$outer/modules/order" "$ird/lib/modules/order"
 strip -o "$ird/opt/sprout/bin/sprout" "$sprout"
+cp -L "$mkfs" "$ird/usr/sbin/mkfs.ext4"
+cp /etc/mke2fs.conf "$ird/etc/mke2fs.conf"
 for lib in $libs; do
   mkdir -p "$ird$(dirname "$lib")"
   cp -L "$lib" "$ird$lib"
@@ -186,6 +195,7 @@ mkdir -p "$tmp/images"
 for n in "${images[@]}"; do
   ln "${image_path[$n]}" "$tmp/images/$n.ext4" 2>/dev/null || cp --sparse=always "${image_path[$n]}" "$tmp/images/$n.ext4"
 done
+cp "$agent" "$tmp/images/.sprout-agent.stripped"
 kib=$(du -sk --apparent-size "$tmp/images" | cut -f1)
 mkfs.ext4 -q -F -L sprout-images -O ^has_journal -m 0 -E root_owner=0:0 -d "$tmp/images" \
   "$tmp/images.ext4" "$((kib + kib / 50 + 65536))k" >&2 || die "mkfs.ext4 failed for the images disk"

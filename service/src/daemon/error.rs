@@ -62,6 +62,31 @@ pub enum Code {
     TemplateBuilding,
     /// This host's KVM cannot run Linux guests (see /v1/info).
     HostUnsupported,
+    /// The create's OCI image is being pulled and converted: retry after
+    /// `Retry-After` seconds.
+    ImagePulling,
+    /// `image` is not a valid OCI reference.
+    BadImageReference,
+    /// The registry (or local layout) has no such image or tag.
+    ImageNotFound,
+    /// The image is not for linux/amd64.
+    ImagePlatform,
+    /// The image uses something Sprout cannot run (a layer media type, a
+    /// user its /etc/passwd does not name).
+    ImageUnsupported,
+    /// The image is over the conversion's size limits.
+    ImageTooLarge,
+    /// The registry could not be reached.
+    RegistryUnreachable,
+    /// The registry refused the credentials.
+    RegistryAuth,
+    /// The registry answered with an error.
+    RegistryError,
+    /// A blob's digest or size does not match its manifest, or a layer is
+    /// not a valid archive.
+    ImageCorrupt,
+    /// The base image could not be built on this host.
+    ImageBuildFailed,
     /// The sandbox's VM did not come up (its worker or guest failed).
     BootFailed,
     /// The sandbox's guest agent could not be reached.
@@ -106,6 +131,11 @@ impl Code {
             | Self::InvalidBody
             | Self::InvalidValue
             | Self::UnknownImage
+            | Self::BadImageReference
+            | Self::ImageNotFound
+            | Self::ImagePlatform
+            | Self::ImageUnsupported
+            | Self::ImageTooLarge
             | Self::ExecFailed
             | Self::NotSupported
             | Self::PathEscape
@@ -129,18 +159,24 @@ impl Code {
             Self::InvalidState | Self::Paused | Self::TooManyCheckpoints | Self::StdinClosed => {
                 StatusCode::CONFLICT
             }
-            Self::HostUnsupported | Self::TemplateBuilding => StatusCode::SERVICE_UNAVAILABLE,
+            Self::HostUnsupported | Self::TemplateBuilding | Self::ImagePulling => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::BootFailed
+            | Self::RegistryUnreachable
+            | Self::RegistryAuth
+            | Self::RegistryError
+            | Self::ImageCorrupt
             | Self::AgentUnavailable
             | Self::WorkerFailed
             | Self::SnapshotFailed
             | Self::StoreFailed => StatusCode::BAD_GATEWAY,
-            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Internal | Self::ImageBuildFailed => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 39] = [
+    pub const ALL: [Code; 50] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -180,6 +216,17 @@ impl Code {
         Self::StoreFailed,
         Self::HostUnsupported,
         Self::TemplateBuilding,
+        Self::ImagePulling,
+        Self::BadImageReference,
+        Self::ImageNotFound,
+        Self::ImagePlatform,
+        Self::ImageUnsupported,
+        Self::ImageTooLarge,
+        Self::RegistryUnreachable,
+        Self::RegistryAuth,
+        Self::RegistryError,
+        Self::ImageCorrupt,
+        Self::ImageBuildFailed,
     ];
 
     /// The code's name in answers (`vm_not_found`).
@@ -232,6 +279,17 @@ impl Code {
             Self::AgentUnavailable => "The sandbox's agent could not be reached",
             Self::WorkerFailed => "The sandbox's worker failed a request (a stop)",
             Self::HostUnsupported => "This host cannot run Linux guests, or the kernel, image or disk template is missing",
+            Self::ImagePulling => "The create's OCI image is being pulled and converted (the message says how far): retry after `Retry-After` seconds",
+            Self::BadImageReference => "`image` is not a valid OCI reference (the message says why)",
+            Self::ImageNotFound => "The registry or local layout has no such image or tag",
+            Self::ImagePlatform => "The image is not for linux/amd64",
+            Self::ImageUnsupported => "The image uses what Sprout cannot run (a layer type, a user not in its /etc/passwd)",
+            Self::ImageTooLarge => "The image is over the conversion's limits",
+            Self::RegistryUnreachable => "The registry could not be reached",
+            Self::RegistryAuth => "The registry refused sproutd's credentials",
+            Self::RegistryError => "The registry answered with an error",
+            Self::ImageCorrupt => "A blob does not match its digest or size, or a layer is not a valid archive",
+            Self::ImageBuildFailed => "The base image could not be built on this host (the message says why)",
         }
     }
 

@@ -29,6 +29,7 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         registry: Mutex::new(registry),
         supervisor: Supervisor::new(cmd, data_dir, false),
         images: Vec::new(),
+        oci: Arc::new(super::oci_images::Pulls::new(&data_dir.join("cache"))),
         host: HostMode {
             linux_guests: false,
             reason: Some("an in-process router runs no guests".into()),

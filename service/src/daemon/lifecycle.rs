@@ -946,10 +946,10 @@ impl App {
         let iid = vmm::new_instance_id();
         // The base image is the snapshot's only file outside it.
         let image: Vec<PathBuf> = self
-            .images
-            .iter()
-            .filter(|i| i.name == s.image && s.image != TEST_GUEST_IMAGE)
-            .map(|i| i.path.clone())
+            .image(&s.image)
+            .filter(|_| s.image != TEST_GUEST_IMAGE)
+            .map(|i| i.path)
+            .into_iter()
             .collect();
         let shape = sprout_worker::protocol::Shape {
             vcpus: s.cpus,
@@ -1097,20 +1097,15 @@ impl App {
             })
             .await?;
         }
-        let image = self
-            .images
-            .iter()
-            .find(|i| i.name == s.image)
-            .map(|i| i.path.clone())
-            .ok_or_else(|| {
-                ApiError::new(
-                    Code::UnknownImage,
-                    format!(
-                        "Image {:?} of sandbox {id} is no longer built here",
-                        s.image
-                    ),
-                )
-            })?;
+        let image = self.image(&s.image).map(|i| i.path).ok_or_else(|| {
+            ApiError::new(
+                Code::UnknownImage,
+                format!(
+                    "Image {:?} of sandbox {id} is no longer built here",
+                    s.image
+                ),
+            )
+        })?;
         let (a, row) = (self.clone(), s.clone());
         let booted = self
             .blocking(move || a.supervisor.boot(&row, Some(&image)).map_err(boot_failed))

@@ -20,6 +20,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod mirror;
+mod oci_images;
 pub mod openapi;
 mod pool;
 mod procs;
@@ -156,6 +157,8 @@ pub struct App {
     registry: Mutex<Registry>,
     supervisor: Supervisor,
     images: Vec<Image>,
+    /// OCI images: pulls in flight, and those in the cache.
+    oci: Arc<oci_images::Pulls>,
     host: HostMode,
     data_dir: PathBuf,
     /// Agent clients by sandbox (each keeps a few idle connections).
@@ -195,6 +198,16 @@ pub fn now_ms() -> u64 {
 }
 
 impl App {
+    /// The base image a sandbox's image name stands for: a built image, or
+    /// an OCI image in the cache (by the digest its pinned name carries).
+    fn image(&self, name: &str) -> Option<Image> {
+        self.images
+            .iter()
+            .find(|i| i.name == name)
+            .cloned()
+            .or_else(|| self.oci.by_name(name))
+    }
+
     /// Runs `f` on the registry, off the async threads.
     async fn db<T: Send + 'static>(
         self: &Arc<Self>,
@@ -445,6 +458,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         registry: Mutex::new(registry),
         supervisor: Supervisor::new(cmd, &data_dir, !args.no_jail),
         images,
+        oci: Arc::new(oci_images::Pulls::new(&crate::linux::cache_dir())),
         host,
         data_dir: data_dir.clone(),
         agents: Mutex::new(HashMap::new()),

@@ -373,7 +373,7 @@ async fn info(
             lab: app.host.lab,
             note: app.host.lab.then_some(super::lab::EMULATED_NOTE),
         },
-        images: app.images.clone(),
+        images: app.images.iter().cloned().chain(app.oci.list()).collect(),
         data_dir: caller
             .0
             .operator
@@ -410,7 +410,8 @@ async fn openapi_json() -> Response {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 #[schema(as = ScheduleRequest)]
 struct ScheduleReq {
-    /// An image `/v1/info` lists.
+    /// An image `/v1/info` lists, or an OCI reference
+    /// (`registry.example:5000/app:1`, `oci:/path/to/layout:tag`).
     #[schema(default = "default", example = "default")]
     image: Option<String>,
     /// A snapshot (or checkpoint) id: the sandbox is restored from it, in
@@ -585,6 +586,17 @@ errors!(
         PayloadTooLarge,
         HostUnsupported,
         TemplateBuilding,
+        ImagePulling,
+        BadImageReference,
+        ImageNotFound,
+        ImagePlatform,
+        ImageUnsupported,
+        ImageTooLarge,
+        RegistryUnreachable,
+        RegistryAuth,
+        RegistryError,
+        ImageCorrupt,
+        ImageBuildFailed,
         BootFailed,
         SnapshotFailed,
         WorkerFailed,
@@ -602,6 +614,14 @@ errors!(
 /// `failed` with its `failureReason`, and the answer is `502 boot_failed`.
 /// With `snapshot`, the sandbox is restored from that snapshot instead of
 /// booted (`502 snapshot_failed` if it cannot be).
+///
+/// `image` may be an OCI reference (`REGISTRY[:PORT]/NAME[:TAG|@DIGEST]`,
+/// or `oci:/PATH[:TAG]` for a local image layout): it is pulled and made
+/// into a base image once per digest; a create that finds the pull under
+/// way for more than 20 s is answered `503 image_pulling` with
+/// `Retry-After` (the pull goes on). The sandbox's `image` is then the
+/// reference pinned to its digest (`...@sha256:...`), and the image's
+/// entrypoint runs as its main process (its first background process).
 #[utoipa::path(post, path = "/v1/runtime/schedule", operation_id = "schedule", tag = "sandboxes",
     request_body(content = Option<ScheduleReq>, description = "Empty counts as `{}`"),
     responses((status = 201, description = "The sandbox, running", body = VmView), ScheduleErrors))]
@@ -661,12 +681,22 @@ async fn schedule(
     check_env("env", &env)?;
     let metadata = req.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
-    let Some(img) = app.images.iter().find(|i| i.name == image).cloned() else {
+    let oci = crate::oci::is_oci(&image);
+    if oci && !app.host.linux_guests {
+        return Err(host_unsupported(&app));
+    }
+    let found = if oci {
+        Some(app.oci.image(&image).await?)
+    } else {
+        app.images.iter().find(|i| i.name == image).cloned()
+    };
+    let Some(img) = found else {
         let known: Vec<&str> = app.images.iter().map(|i| i.name.as_str()).collect();
         return Err(ApiError::new(
             Code::UnknownImage,
             format!(
-                "No image {image:?} is built here (images: {})",
+                "No image {image:?} is built here (images: {}; or an OCI reference, \
+                 REGISTRY/NAME:TAG or oci:/PATH:TAG)",
                 if known.is_empty() {
                     "none".to_owned()
                 } else {
@@ -676,6 +706,8 @@ async fn schedule(
         )
         .with_field("image"));
     };
+    // An OCI image's sandbox records it pinned to its digest.
+    let image = img.name.clone();
     if image != TEST_GUEST_IMAGE && !app.host.linux_guests {
         return Err(host_unsupported(&app));
     }

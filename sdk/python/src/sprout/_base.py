@@ -47,7 +47,8 @@ DEFAULT_BASE_URL = "http://127.0.0.1:7070"
 #: Requests wait up to 15 minutes for an answer (a create waits for a boot,
 #: which takes minutes in the emulated lab), 10 s to connect.
 DEFAULT_TIMEOUT = httpx.Timeout(900.0, connect=10.0)
-#: A create answered ``503 template_building`` is retried for this long.
+#: A create answered ``503 template_building`` or ``image_pulling`` is
+#: retried for this long.
 DEFAULT_CREATE_TIMEOUT = 900.0
 #: 429s (exec limits) are retried this many times after their Retry-After.
 DEFAULT_MAX_RETRIES = 3

@@ -265,10 +265,10 @@ class Client:
                 return Sandbox(self, self._call("schedule", Vm, json=body))
             except ServiceUnavailableError as e:
                 left = deadline - time.monotonic()
-                if e.code != "template_building" or left <= 0:
+                if e.code not in ("template_building", "image_pulling") or left <= 0:
                     raise
                 wait = min(e.retry_after or 5.0, 5.0, left)
-                log.info("the template is being built; retrying the create in %.0f s", wait)
+                log.info("%s; retrying the create in %.0f s", e.message, wait)
                 time.sleep(wait)
 
     def get(self, vm_id: str) -> "Sandbox":

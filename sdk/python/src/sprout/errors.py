@@ -92,6 +92,17 @@ CODE_STATUS: Dict[str, int] = {
     "store_failed": 502,
     "host_unsupported": 503,
     "template_building": 503,
+    "image_pulling": 503,
+    "bad_image_reference": 400,
+    "image_not_found": 400,
+    "image_platform": 400,
+    "image_unsupported": 400,
+    "image_too_large": 400,
+    "registry_unreachable": 502,
+    "registry_auth": 502,
+    "registry_error": 502,
+    "image_corrupt": 502,
+    "image_build_failed": 500,
 }
 
 
@@ -112,7 +123,7 @@ class APIError(SproutError):
         state: the sandbox's current state, when the request is impossible
             in it (``invalid_state``).
         retry_after: the ``Retry-After`` header in seconds (every 429, a 503
-            ``template_building``), else None.
+            ``template_building`` or ``image_pulling``), else None.
         request_id: the answer's ``X-Request-Id`` (quote it with a bug report).
         body: the parsed error body (or the raw text of a non-JSON answer).
     """
@@ -192,7 +203,8 @@ class BadGatewayError(APIError):
 
 
 class ServiceUnavailableError(APIError):
-    """503: ``host_unsupported``, or ``template_building`` (retry after ``retry_after``)."""
+    """503: ``host_unsupported``, or ``template_building`` or ``image_pulling``
+    (retry after ``retry_after``)."""
 
 
 _BY_STATUS: Dict[int, Type[APIError]] = {
