@@ -158,23 +158,85 @@ api() { sprout api "$@" 2>/dev/null; }
 ref=oci:/tmp/img/layout:1
 # The first create pulls the image and builds its template (the CLI waits
 # through image_pulling and template_building), then restores it.
-out=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/tmp/create.err) ||
-  { echo "create failed: $out $(cat /tmp/create.err)"; cat /tmp/sd.log; exit 11; }
+out=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/tmp/create.err | tr -d '\n')
 echo "created: $out"
-id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+vm_id() { echo "$1" | sed -n 's/.*"vmId": *"\([^"]*\)".*/\1/p'; }
+id=$(vm_id "$out")
+[ -n "$id" ] || { echo "create failed: $(cat /tmp/create.err)"; cat /tmp/sd.log; exit 11; }
 x=/v1/runtime/vms/$id/exec
 echo "main: $(api POST $x '{"command":"/bin/sh","argv":["-c","i=0; until [ -s /tmp/entrypoint.out ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done; cat /tmp/entrypoint.out"]}')"
 echo "http: $(api POST $x '{"command":"/bin/sh","argv":["-c","i=0; until wget -qO- http://127.0.0.1:8000/original || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done | tr -d \"\\n\""]}')"
 echo "procs: $(api GET /v1/runtime/vms/$id/processes)"
 echo "info: $(api GET /v1/info)"
 echo "templates: $(api GET /v1/runtime/templates)"
-out2=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/dev/null)
+out2=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/dev/null | tr -d '\n')
 echo "second: $out2"
 echo "bad-ref: $(api POST /v1/runtime/schedule '{"image":"oci:"}')"
 echo "no-tag: $(api POST /v1/runtime/schedule '{"image":"oci:/tmp/img/layout:nope"}')"
-for v in $id $(echo "$out2" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p'); do
+for v in $id $(vm_id "$out2"); do
   api DELETE /v1/runtime/vms/$v | sed -n 's/.*"deleted":\([a-z]*\).*/deleted: \1/p'
 done
 kill $daemon; wait $daemon
 echo "daemon-exit: $?"
+"#;
+
+/// A Debian image (python3, systemd) from a registry on loopback: pulled
+/// and converted by `sprout image pull 127.0.0.1:PORT/pytest-image:1`, then
+/// booted in the lab with each runtime. `container`: the image's cmd runs
+/// as the main process and python3 answers. `vm`: systemd is PID 1, boots
+/// to `running` or `degraded`, runs the agent as its service (exec works),
+/// and the image's cmd is not started.
+#[test]
+fn a_debian_image_from_a_registry_runs_python_as_a_container_and_boots_systemd_as_a_vm() {
+    require_tools();
+    let image = debian_image();
+    let dir = tempfile::tempdir().unwrap();
+    let reg = Registry::start(dir.path());
+    reg.push_image(&image, "pytest-image:1");
+    let out = pull(
+        &dir.path().join("cache"),
+        &format!("{}/pytest-image:1", reg.addr),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let img: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let path = std::path::PathBuf::from(img["path"].as_str().unwrap());
+    let run = lab::Script::new(DEBIAN_SCRIPT)
+        .file(&path)
+        .timeout(std::time::Duration::from_secs(1500))
+        .run();
+    run.assert_success();
+    let o = &run.stdout;
+    let one = |k: &str| -> String {
+        let v = run.values(k);
+        assert_eq!(v.len(), 1, "{k} in:\n{o}");
+        v[0].to_owned()
+    };
+    assert!(one("python:").starts_with("3."), "{o}");
+    assert_eq!(one("c-main:"), "main ran", "{o}");
+    assert_eq!(one("c-pid1:"), "sprout-agent", "{o}");
+    assert_eq!(one("c-status:"), "0", "{o}");
+    let state = one("vm-state:");
+    assert!(state == "running" || state == "degraded", "{o}");
+    assert_eq!(one("vm-pid1:"), "systemd", "{o}");
+    assert_eq!(one("vm-agent:"), "active", "{o}");
+    assert_eq!(one("vm-main:"), "absent", "{o}");
+    assert_eq!(one("vm-status:"), "0", "{o}");
+}
+
+const DEBIAN_SCRIPT: &str = r#"
+sprout vm run --image /lab/rootfs.ext4 --memory-mib 512 --exec '
+  echo python: $(python3 -c "import sys; print(sys.version)");
+  i=0; until [ -s /tmp/main.out ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done;
+  echo c-main: $(cat /tmp/main.out); echo c-pid1: $(cat /proc/1/comm)'
+echo "c-status: $?"
+sprout vm run --runtime vm --image /lab/rootfs.ext4 --memory-mib 512 --exec '
+  echo vm-state: $(systemctl is-system-running --wait);
+  echo vm-pid1: $(cat /proc/1/comm);
+  echo vm-agent: $(systemctl is-active sprout-agent);
+  test -e /tmp/main.out && echo vm-main: present || echo vm-main: absent'
+echo "vm-status: $?"
 "#;

@@ -248,6 +248,11 @@ struct RunArgs {
     /// Kernel command line (the VMM appends its virtio-mmio devices).
     #[arg(long, default_value = "")]
     cmdline: String,
+    /// How a Linux image runs: `container` (the agent is PID 1 and starts
+    /// an OCI image's entrypoint) or `vm` (the image's own /sbin/init, say
+    /// systemd, is PID 1 and starts the agent as a service).
+    #[arg(long, value_enum, default_value_t = Runtime::Container)]
+    runtime: Runtime,
     /// Test guest: add a virtio-vsock device with this guest CID (>= 3).
     #[arg(long, requires = "vsock_uds")]
     vsock_cid: Option<u64>,
@@ -262,6 +267,12 @@ struct RunArgs {
     /// Serve a control socket here (see `sprout vm ctl`).
     #[arg(long)]
     api_sock: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Runtime {
+    Container,
+    Vm,
 }
 
 #[derive(Args)]
@@ -291,7 +302,11 @@ impl RunArgs {
             disk: self.disk,
             cpus: self.cpus,
             memory_mib: self.memory_mib,
-            cmdline: self.cmdline,
+            cmdline: match self.runtime {
+                Runtime::Container => self.cmdline,
+                // sprout-init execs the image's init instead of the agent.
+                Runtime::Vm => format!("sprout.init=/sbin/init {}", self.cmdline),
+            },
             job: self.job.into_job(),
             vsock_uds: self.vsock_uds,
             api_sock: self.api_sock,

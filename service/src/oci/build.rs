@@ -20,6 +20,24 @@ use super::{OciError, RunConfig};
 const INIT: &str = include_str!("../../../guest/images/sprout-init");
 /// Applets the init script uses.
 const APPLETS: [&str; 6] = ["sh", "mount", "umount", "mkdir", "cat", "pivot_root"];
+/// The systemd unit that starts the agent in the `vm` runtime: early (no
+/// default dependencies: /proc, /sys and /dev are systemd's own, /workspace
+/// was mounted by sprout-init), restarted if it dies.
+const AGENT_UNIT_NAME: &str = "sprout-agent.service";
+const AGENT_UNIT: &str = "[Unit]
+Description=Sprout guest agent (exec and files over vsock)
+DefaultDependencies=no
+After=systemd-remount-fs.service
+
+[Service]
+ExecStart=/sbin/sprout-agent --listen-vsock 1024 --root /workspace --allow-identity
+Restart=always
+RestartSec=1
+Environment=RUST_LOG=info
+
+[Install]
+WantedBy=multi-user.target
+";
 /// Bumped when what this module adds to an image changes.
 const LAYOUT_VERSION: &str = "sprout-oci-2";
 
@@ -114,6 +132,23 @@ impl SproutFiles {
         std::fs::write(&init, init_script()).map_err(|e| OciError::io("write", &init, e))?;
         set_mode(&init, 0o755)?;
         install(&self.agent, &sbin.join("sprout-agent"))?;
+        // The `vm` runtime: the image's own init (systemd) is PID 1 and
+        // starts the agent as a service; unused by the container runtime.
+        let units = resolve(
+            root,
+            &["etc".into(), "systemd".into(), "system".into()],
+            true,
+        )?;
+        let wants = units.join("multi-user.target.wants");
+        std::fs::create_dir_all(&wants).map_err(|e| OciError::io("create", &wants, e))?;
+        let unit = units.join(AGENT_UNIT_NAME);
+        let _ = std::fs::remove_file(&unit);
+        std::fs::write(&unit, AGENT_UNIT).map_err(|e| OciError::io("write", &unit, e))?;
+        set_mode(&unit, 0o644)?;
+        let link = wants.join(AGENT_UNIT_NAME);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(format!("../{AGENT_UNIT_NAME}"), &link)
+            .map_err(|e| OciError::io("symlink", &link, e))?;
         if let Some(m) = main {
             let p = root.join(SPEC_PATH.trim_start_matches('/'));
             std::fs::write(&p, m.to_json()).map_err(|e| OciError::io("write", &p, e))?;

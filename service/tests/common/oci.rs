@@ -261,11 +261,16 @@ impl Registry {
 
     /// Pushes the layout's image as `name:tag` (skopeo, plain HTTP).
     pub fn push(&self, layout: &Layout, name: &str) {
+        self.push_image(&layout.image(), name);
+    }
+
+    /// Pushes `image` (`/layout/dir:tag`) as `name:tag`.
+    pub fn push_image(&self, image: &str, name: &str) {
         run(Command::new("skopeo").args([
             "copy",
             "--quiet",
             "--dest-tls-verify=false",
-            &format!("oci:{}", layout.image()),
+            &format!("oci:{image}"),
             &format!("docker://{}/{name}", self.addr),
         ]));
     }
@@ -408,4 +413,12 @@ pub fn build_test_image(dir: &Path, tag: &str, unique: &str) -> Layout {
         "8000/tcp",
     ]);
     l
+}
+
+/// The Debian image (minbase, python3, systemd) tests/oci/build-debian-image.sh
+/// builds (cached), as `/layout/dir:1`.
+pub fn debian_image() -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/oci/build-debian-image.sh");
+    let out = run(&mut Command::new(script));
+    format!("{}:1", out.trim())
 }
