@@ -114,7 +114,8 @@ fn sproutd_runs_an_oci_image_with_its_entrypoint_as_the_main_process() {
     assert_eq!(json("http:")["stdout"], "linked", "{o}");
     let procs = json("procs:");
     let main = &procs["processes"][0];
-    assert_eq!(main["command"], "/bin/sh", "{o}");
+    assert_eq!(main["execId"], 1, "{o}");
+    assert_eq!(main["command"], format!("/bin/sh -c {MAIN_CMD}"), "{o}");
     assert_eq!(main["running"], true, "{o}");
     let info = json("info:");
     assert!(
