@@ -18,15 +18,7 @@ fn an_oci_image_boots_with_sprouts_init_and_agent_and_runs_commands() {
     require_tools();
     let dir = tempfile::tempdir().unwrap();
     let layout = build_test_image(&dir.path().join("layout"), "1", "booted");
-    let cache = dir.path().join("cache");
-    let out = pull(&cache, &layout.reference());
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let img: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let path = std::path::PathBuf::from(img["path"].as_str().unwrap());
+    let path = pulled_image(&dir.path().join("cache"), &layout.reference());
 
     let run = lab::Script::new(
         "sprout vm run --image /lab/rootfs.ext4 --exec '\
@@ -194,17 +186,8 @@ fn a_debian_image_from_a_registry_runs_python_as_a_container_and_boots_systemd_a
     let dir = tempfile::tempdir().unwrap();
     let reg = Registry::start(dir.path());
     reg.push_image(&image, "pytest-image:1");
-    let out = pull(
-        &dir.path().join("cache"),
-        &format!("{}/pytest-image:1", reg.addr),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let img: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let path = std::path::PathBuf::from(img["path"].as_str().unwrap());
+    let reference = format!("{}/pytest-image:1", reg.addr);
+    let path = pulled_image(&dir.path().join("cache"), &reference);
     let run = lab::Script::new(DEBIAN_SCRIPT)
         .file(&path)
         .timeout(std::time::Duration::from_secs(1500))

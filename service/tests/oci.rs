@@ -12,16 +12,6 @@ use std::path::Path;
 
 use serde_json::Value;
 
-fn ok_json(out: &std::process::Output) -> Value {
-    assert!(
-        out.status.success(),
-        "sprout image pull failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
-}
-
 /// The failed pull's message (stderr), checked to name `code`.
 fn failed(out: &std::process::Output, code: &str) -> String {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();

@@ -67,6 +67,23 @@ pub fn pull(cache: &Path, reference: &str) -> std::process::Output {
         .expect("run sprout image pull")
 }
 
+/// The record (`--json`) of a pull that must have succeeded.
+pub fn ok_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "sprout image pull failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Pulls `reference` with its own cache `cache`; the base image's path.
+pub fn pulled_image(cache: &Path, reference: &str) -> PathBuf {
+    let img = ok_json(&pull(cache, reference));
+    PathBuf::from(img["path"].as_str().expect("the record has a path"))
+}
+
 /// The contents of `path` in the ext4 image `img` (debugfs, no mount);
 /// `None` if it is not there.
 pub fn read_in(img: &Path, path: &str) -> Option<String> {
