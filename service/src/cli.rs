@@ -197,8 +197,13 @@ pub struct CreateArgs {
     /// oci:/PATH:TAG) sproutd pulls (default: sproutd's default image).
     #[arg(long)]
     pub image: Option<String>,
-    /// A snapshot or checkpoint id to restore from (its image and shape).
-    #[arg(long, conflicts_with_all = ["image", "cpus", "memory"])]
+    /// `container` (default: the agent is PID 1 and starts the image's
+    /// entrypoint) or `vm` (the image's own systemd is PID 1).
+    #[arg(long, value_parser = ["container", "vm"])]
+    pub runtime: Option<String>,
+    /// A snapshot or checkpoint id to restore from (its image, runtime and
+    /// shape).
+    #[arg(long, conflicts_with_all = ["image", "runtime", "cpus", "memory"])]
     pub snapshot: Option<String>,
     /// vCPUs.
     #[arg(long)]
@@ -409,6 +414,9 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
             };
             if let Some(i) = a.image {
                 put("image", json!(i));
+            }
+            if let Some(r) = a.runtime {
+                put("runtime", json!(r));
             }
             if let Some(s) = a.snapshot {
                 put("snapshot", json!(s));
@@ -1670,6 +1678,7 @@ fn vm_detail(v: &Value) -> String {
         ("id", "vmId"),
         ("state", "state"),
         ("image", "image"),
+        ("runtime", "runtime"),
         ("cpus", "cpus"),
         ("memory MiB", "memoryMb"),
         ("created", "createdAt"),

@@ -59,6 +59,12 @@ async fn health_and_info_answer_and_every_answer_has_a_request_id() {
         .collect();
     assert!(images.contains(&"testguest"), "{info}");
     assert!(!images.contains(&"scratch"), "{info}");
+    // Sprout's own images have no init of their own: `container` only.
+    for i in info["images"].as_array().unwrap() {
+        if !i["name"].as_str().unwrap().contains('@') {
+            assert_eq!(i["runtimes"], json!(["container"]), "{info}");
+        }
+    }
     assert_eq!(info["dataDir"], dir.display().to_string());
 }
 
@@ -262,6 +268,33 @@ async fn values_out_of_range_are_400_naming_the_field() {
     let r = post(&c, &d, "/v1/runtime/schedule", json!({"image": "no-such"})).await;
     let m = assert_error(r, StatusCode::BAD_REQUEST, "unknown_image").await;
     assert!(m.contains("testguest"), "lists the images: {m}");
+    // A runtime the image has no init for, an unknown runtime, and a
+    // runtime beside a snapshot (whose runtime is used).
+    let body = json!({"image": "testguest", "runtime": "vm", "cpus": 1, "memoryMb": 128});
+    let r = post(&c, &d, "/v1/runtime/schedule", body).await;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "image_unsupported", "{v}");
+    assert_eq!(v["error"]["field"], "runtime", "{v}");
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.contains("systemd") && m.contains("container"), "{m}");
+    let r = post(
+        &c,
+        &d,
+        "/v1/runtime/schedule",
+        json!({"runtime": "unikernel"}),
+    )
+    .await;
+    let m = assert_error(r, StatusCode::BAD_REQUEST, "invalid_body").await;
+    assert!(
+        m.contains("container") && m.contains("vm"),
+        "names the runtimes: {m}"
+    );
+    let body = json!({"snapshot": uuid::Uuid::new_v4().to_string(), "runtime": "vm"});
+    let r = post(&c, &d, "/v1/runtime/schedule", body).await;
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["field"], "runtime", "{v}");
     // Nothing was created by any of them.
     let v: Value = c
         .get(d.url("/v1/runtime/vms"))
@@ -411,6 +444,7 @@ async fn sandboxes_persist_across_restarts_and_a_vanished_worker_is_failed() {
         .await;
         assert_eq!(v["state"], "running", "{v}");
         assert_eq!(v["image"], "testguest");
+        assert_eq!(v["runtime"], "container", "the default: {v}");
         assert_eq!(
             (v["cpus"].clone(), v["memoryMb"].clone()),
             (json!(1), json!(128))

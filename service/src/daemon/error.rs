@@ -283,7 +283,7 @@ impl Code {
             Self::BadImageReference => "`image` is not a valid OCI reference (the message says why)",
             Self::ImageNotFound => "The registry or local layout has no such image or tag",
             Self::ImagePlatform => "The image is not for linux/amd64",
-            Self::ImageUnsupported => "The image uses what Sprout cannot run (a layer type, a user not in its /etc/passwd)",
+            Self::ImageUnsupported => "The image uses what Sprout cannot run (a layer type, a user not in its /etc/passwd, a runtime it has no init for)",
             Self::ImageTooLarge => "The image is over the conversion's limits",
             Self::RegistryUnreachable => "The registry could not be reached",
             Self::RegistryAuth => "The registry refused sproutd's credentials",

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::registry::Image;
+use super::registry::{Image, Runtime};
 
 /// The image name of Sprout's test guest.
 pub const TEST_GUEST_IMAGE: &str = "testguest";
@@ -21,6 +21,7 @@ pub fn scan() -> Vec<Image> {
             name: TEST_GUEST_IMAGE.into(),
             path: tg.to_owned(),
             size_bytes: m.len(),
+            runtimes: vec![Runtime::Container],
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -53,6 +54,8 @@ fn scan_dir(dir: &Path) -> Vec<Image> {
                 name: name.to_owned(),
                 path,
                 size_bytes: m.len(),
+                // Sprout's own images have no init of their own.
+                runtimes: vec![Runtime::Container],
             });
         }
     }

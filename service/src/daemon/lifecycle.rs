@@ -374,6 +374,7 @@ impl App {
             parent_id: parent.as_ref().map(|p| p.id),
             depth: parent.as_ref().map_or(1, |p| p.depth + 1),
             image: s.image.clone(),
+            runtime: s.runtime,
             cpus: s.cpus,
             memory_mb: s.memory_mb,
             env: s.env.clone(),

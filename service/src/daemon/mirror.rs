@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use super::error::chain;
-use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State};
+use super::registry::{Runtime, Sandbox, SnapshotKind, SnapshotRow, State};
 use super::{now_ms, App};
 
 /// Bytes read and sent at a time (and the multipart part size).
@@ -236,6 +236,9 @@ struct SandboxRecord {
     id: Uuid,
     tenant: String,
     image: String,
+    /// Absent for `container` (as in records from before runtimes).
+    #[serde(default, skip_serializing_if = "is_container")]
+    runtime: Runtime,
     cpus: u8,
     memory_mb: u32,
     disable_internet: bool,
@@ -260,11 +263,17 @@ struct SnapRecord {
     parent_id: Option<Uuid>,
     depth: u32,
     image: String,
+    #[serde(default, skip_serializing_if = "is_container")]
+    runtime: Runtime,
     cpus: u8,
     memory_mb: u32,
     env: BTreeMap<String, String>,
     size_bytes: u64,
     created_ms: u64,
+}
+
+fn is_container(r: &Runtime) -> bool {
+    *r == Runtime::Container
 }
 
 const ARCHIVE_VERSION: u32 = 1;
@@ -281,6 +290,7 @@ impl ArchiveRecord {
                 id: s.id,
                 tenant: s.tenant.clone(),
                 image: s.image.clone(),
+                runtime: s.runtime,
                 cpus: s.cpus,
                 memory_mb: s.memory_mb,
                 disable_internet: s.disable_internet,
@@ -304,6 +314,7 @@ impl ArchiveRecord {
                     parent_id: c.parent_id,
                     depth: c.depth,
                     image: c.image.clone(),
+                    runtime: c.runtime,
                     cpus: c.cpus,
                     memory_mb: c.memory_mb,
                     env: c.env.clone(),
@@ -364,6 +375,7 @@ impl ArchiveRecord {
                 parent_id: c.parent_id,
                 depth: i as u32 + 1,
                 image: c.image.clone(),
+                runtime: c.runtime,
                 cpus: c.cpus,
                 memory_mb: c.memory_mb,
                 env: c.env.clone(),
@@ -375,6 +387,7 @@ impl ArchiveRecord {
             .collect();
         let s = Sandbox {
             state: State::Archived,
+            runtime: r.runtime,
             disable_internet: r.disable_internet,
             idle_timeout_secs: r.idle_timeout_secs,
             env: r.env.clone(),

@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::error::{ApiError, Code};
-use super::registry::Image;
+use super::registry::{Image, Runtime};
 use crate::oci::{self, OciError, OciImage, Progress, PullOptions};
 
 /// How long a create waits for its image's pull before answering 503.
@@ -168,6 +168,12 @@ fn image_of(reference: &str, img: &OciImage) -> Image {
         name: pinned(reference, &img.digest),
         path: img.path.clone(),
         size_bytes: img.size_bytes,
+        // An image converted before this was recorded may try `vm`.
+        runtimes: if img.systemd != Some(false) {
+            vec![Runtime::Container, Runtime::Vm]
+        } else {
+            vec![Runtime::Container]
+        },
     }
 }
 

@@ -112,6 +112,35 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE snapshots ADD COLUMN uploaded_ms INTEGER;
     ALTER TABLE snapshots ADD COLUMN imported INTEGER NOT NULL DEFAULT 0;
     "#,
+    // 5: runtimes. A sandbox and a snapshot record the runtime its guest
+    // was booted with (what came before is `container`'s), and a template
+    // is one (image, runtime, shape)'s: the table is rebuilt, since a
+    // primary key cannot be altered in SQLite.
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN runtime TEXT NOT NULL DEFAULT 'container'
+        CHECK (runtime IN ('container', 'vm'));
+    ALTER TABLE snapshots ADD COLUMN runtime TEXT NOT NULL DEFAULT 'container'
+        CHECK (runtime IN ('container', 'vm'));
+    CREATE TABLE templates_v5 (
+        image          TEXT NOT NULL,
+        runtime        TEXT NOT NULL CHECK (runtime IN ('container', 'vm')),
+        cpus           INTEGER NOT NULL,
+        memory_mb      INTEGER NOT NULL,
+        state          TEXT NOT NULL CHECK (state IN ('building', 'ready', 'failed')),
+        snapshot_id    TEXT REFERENCES snapshots(id),
+        failure_reason TEXT,
+        build_id       TEXT,
+        build_ms       INTEGER,
+        updated_ms     INTEGER NOT NULL,
+        PRIMARY KEY (image, runtime, cpus, memory_mb)
+    );
+    INSERT INTO templates_v5 (image, runtime, cpus, memory_mb, state, snapshot_id,
+        failure_reason, build_id, build_ms, updated_ms)
+        SELECT image, 'container', cpus, memory_mb, state, snapshot_id, failure_reason,
+            build_id, build_ms, updated_ms FROM templates;
+    DROP TABLE templates;
+    ALTER TABLE templates_v5 RENAME TO templates;
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +224,42 @@ impl FromStr for State {
     }
 }
 
+/// How a sandbox's guest is brought up (docs/api.md, "Runtimes").
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Runtime {
+    /// Sprout's agent is PID 1 and starts the image's entrypoint as the
+    /// sandbox's main process.
+    #[default]
+    Container,
+    /// The image's own init (`/sbin/init`, systemd) is PID 1 and starts
+    /// the agent as one of its services.
+    Vm,
+}
+
+impl Runtime {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Container => "container",
+            Self::Vm => "vm",
+        }
+    }
+}
+
+impl FromStr for Runtime {
+    type Err = RegistryError;
+
+    fn from_str(s: &str) -> Result<Self, RegistryError> {
+        match s {
+            "container" => Ok(Self::Container),
+            "vm" => Ok(Self::Vm),
+            other => Err(RegistryError::BadRow(format!("unknown runtime {other:?}"))),
+        }
+    }
+}
+
 /// One sandbox as recorded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sandbox {
@@ -203,6 +268,7 @@ pub struct Sandbox {
     pub tenant: String,
     pub state: State,
     pub image: String,
+    pub runtime: Runtime,
     pub cpus: u8,
     pub memory_mb: u32,
     pub disable_internet: bool,
@@ -243,6 +309,7 @@ impl Sandbox {
             tenant: tenant.to_owned(),
             state: State::Starting,
             image: image.to_owned(),
+            runtime: Runtime::Container,
             cpus,
             memory_mb,
             disable_internet: false,
@@ -330,6 +397,7 @@ pub struct SnapshotRow {
     /// Snapshots in its chain, itself included.
     pub depth: u32,
     pub image: String,
+    pub runtime: Runtime,
     pub cpus: u8,
     pub memory_mb: u32,
     pub env: BTreeMap<String, String>,
@@ -380,10 +448,11 @@ impl FromStr for TemplateState {
     }
 }
 
-/// The template of one (image, shape).
+/// The template of one (image, runtime, shape).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TemplateRow {
     pub image: String,
+    pub runtime: Runtime,
     pub cpus: u8,
     pub memory_mb: u32,
     pub state: TemplateState,
@@ -403,6 +472,9 @@ pub struct Image {
     #[schema(value_type = String)]
     pub path: PathBuf,
     pub size_bytes: u64,
+    /// The runtimes a sandbox of it can have: `container` always; `vm`
+    /// for an OCI image whose `/sbin/init` is systemd.
+    pub runtimes: Vec<Runtime>,
 }
 
 pub struct Registry {
@@ -638,8 +710,8 @@ impl Registry {
     pub fn put_template(&self, t: &TemplateRow) -> Result<(), RegistryError> {
         self.conn.execute(
             "INSERT OR REPLACE INTO templates (image, cpus, memory_mb, state, snapshot_id,
-                failure_reason, build_id, build_ms, updated_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                failure_reason, build_id, build_ms, updated_ms, runtime)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
             params![
                 t.image,
                 t.cpus,
@@ -650,16 +722,18 @@ impl Registry {
                 t.build_id.map(|u| u.to_string()),
                 t.build_ms.map(|v| v as i64),
                 t.updated_ms as i64,
+                t.runtime.as_str(),
             ],
         )?;
         Ok(())
     }
 
-    /// Every template, by image and shape.
+    /// Every template, by image, runtime and shape.
     pub fn list_templates(&self) -> Result<Vec<TemplateRow>, RegistryError> {
         let mut st = self.conn.prepare(
             "SELECT image, cpus, memory_mb, state, snapshot_id, failure_reason, build_id,
-                build_ms, updated_ms FROM templates ORDER BY image, cpus, memory_mb",
+                build_ms, updated_ms, runtime FROM templates
+                ORDER BY image, runtime, cpus, memory_mb",
         )?;
         let rows = st.query_map([], |r| {
             Ok((
@@ -672,13 +746,15 @@ impl Registry {
                 r.get::<_, Option<String>>(6)?,
                 r.get::<_, Option<i64>>(7)?,
                 r.get::<_, i64>(8)?,
+                r.get::<_, String>(9)?,
             ))
         })?;
         let mut out = Vec::new();
         for row in rows {
-            let (image, cpus, memory_mb, state, snap, why, build, ms, updated) = row?;
+            let (image, cpus, memory_mb, state, snap, why, build, ms, updated, runtime) = row?;
             out.push(TemplateRow {
                 image,
+                runtime: runtime.parse()?,
                 cpus,
                 memory_mb,
                 state: state.parse()?,
@@ -944,6 +1020,7 @@ impl Registry {
                 name: r.get(0)?,
                 path: PathBuf::from(r.get::<_, String>(1)?),
                 size_bytes: r.get::<_, i64>(2)?.max(0) as u64,
+                runtimes: vec![Runtime::Container],
             })
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
@@ -955,9 +1032,9 @@ fn insert_sandbox_in(conn: &Connection, s: &Sandbox) -> Result<(), RegistryError
         "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
             idle_timeout_secs, env, metadata, worker_socket, vsock_socket, pid, created_ms,
             parent_vm_id, snapshot_id, failure_reason, lineage_snapshot_id,
-            rest_snapshot_id, hostname, tenant)
+            rest_snapshot_id, hostname, tenant, runtime)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-            ?17, ?18, ?19, ?20)",
+            ?17, ?18, ?19, ?20, ?21)",
         params![
             s.id.to_string(),
             s.state.as_str(),
@@ -979,6 +1056,7 @@ fn insert_sandbox_in(conn: &Connection, s: &Sandbox) -> Result<(), RegistryError
             s.rest_snapshot_id.map(|u| u.to_string()),
             s.hostname,
             s.tenant,
+            s.runtime.as_str(),
         ],
     )?;
     Ok(())
@@ -987,9 +1065,10 @@ fn insert_sandbox_in(conn: &Connection, s: &Sandbox) -> Result<(), RegistryError
 fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), RegistryError> {
     conn.execute(
         "INSERT INTO snapshots (id, vm_id, name, dir, kind, parent_id, depth, image, cpus,
-            memory_mb, env, size_bytes, created_ms, diff, tenant, uploaded_ms, imported)
+            memory_mb, env, size_bytes, created_ms, diff, tenant, uploaded_ms, imported,
+            runtime)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-            ?17)",
+            ?17, ?18)",
         params![
             s.id.to_string(),
             s.vm_id.map(|u| u.to_string()),
@@ -1008,6 +1087,7 @@ fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), Registry
             s.tenant,
             s.uploaded_ms.map(|u| u as i64),
             s.imported,
+            s.runtime.as_str(),
         ],
     )?;
     Ok(())
@@ -1015,10 +1095,10 @@ fn insert_snapshot_in(conn: &Connection, s: &SnapshotRow) -> Result<(), Registry
 
 const COLUMNS: &str = "id, state, image, cpus, memory_mb, disable_internet, idle_timeout_secs, \
     env, metadata, worker_socket, vsock_socket, pid, created_ms, parent_vm_id, snapshot_id, \
-    failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname, tenant";
+    failure_reason, lineage_snapshot_id, rest_snapshot_id, hostname, tenant, runtime";
 
 const SNAP_COLUMNS: &str = "id, vm_id, name, dir, kind, parent_id, depth, image, cpus, memory_mb, \
-    env, size_bytes, created_ms, tenant, uploaded_ms, imported";
+    env, size_bytes, created_ms, tenant, uploaded_ms, imported, runtime";
 
 fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryError>> {
     let id: String = r.get(0)?;
@@ -1037,8 +1117,10 @@ fn row_snapshot(r: &Row<'_>) -> rusqlite::Result<Result<SnapshotRow, RegistryErr
     let tenant: String = r.get(13)?;
     let uploaded: Option<i64> = r.get(14)?;
     let imported: bool = r.get(15)?;
+    let runtime: String = r.get(16)?;
     Ok((|| {
         Ok(SnapshotRow {
+            runtime: runtime.parse()?,
             imported,
             uploaded_ms: uploaded.map(|u| u.max(0) as u64),
             id: Uuid::parse_str(&id)
@@ -1093,6 +1175,7 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
     let rest: Option<String> = r.get(17)?;
     let hostname: Option<String> = r.get(18)?;
     let tenant: String = r.get(19)?;
+    let runtime: String = r.get(20)?;
     Ok((|| {
         let (image, cpus, memory_mb, disable_internet, idle, sock, vsock, pid, created, reason) =
             fields;
@@ -1105,6 +1188,7 @@ fn row_sandbox(r: &Row<'_>) -> rusqlite::Result<Result<Sandbox, RegistryError>> 
             tenant,
             state: state.parse()?,
             image,
+            runtime: runtime.parse()?,
             cpus,
             memory_mb,
             disable_internet,
@@ -1135,6 +1219,7 @@ mod tests {
             tenant: "t".into(),
             state: State::Starting,
             image: image.into(),
+            runtime: Runtime::Vm,
             cpus: 2,
             memory_mb: 1024,
             disable_internet: true,
@@ -1167,6 +1252,7 @@ mod tests {
             parent_id: parent.map(|p| p.id),
             depth: parent.map_or(1, |p| p.depth + 1),
             image: "test".into(),
+            runtime: Runtime::Container,
             cpus: 1,
             memory_mb: 128,
             env: BTreeMap::new(),
@@ -1269,6 +1355,62 @@ mod tests {
     }
 
     #[test]
+    fn runtimes_migrate_from_schema_4_and_key_templates() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("registry.db");
+        // A registry as schema 4 left it: a sandbox and a ready template.
+        {
+            let mut c = Connection::open(&db).unwrap();
+            let tx = c.transaction().unwrap();
+            for sql in &MIGRATIONS[..4] {
+                tx.execute_batch(sql).unwrap();
+            }
+            tx.pragma_update(None, "user_version", 4).unwrap();
+            tx.execute(
+                "INSERT INTO sandboxes (id, state, image, cpus, memory_mb, disable_internet,
+                    env, metadata, created_ms) VALUES (?1, 'running', 'default', 1, 256, 0,
+                    '{}', '{}', 1)",
+                [Uuid::nil().to_string()],
+            )
+            .unwrap();
+            tx.execute(
+                "INSERT INTO templates (image, cpus, memory_mb, state, updated_ms)
+                 VALUES ('default', 1, 256, 'failed', 3)",
+                [],
+            )
+            .unwrap();
+            tx.commit().unwrap();
+        }
+        let r = Registry::open(&db).unwrap();
+        assert_eq!(r.schema_version().unwrap(), MIGRATIONS.len() as u32);
+        let s = r.get_sandbox(Uuid::nil()).unwrap().unwrap();
+        assert_eq!(s.runtime, Runtime::Container);
+        let old = r.list_templates().unwrap();
+        assert_eq!(old.len(), 1);
+        assert_eq!(old[0].runtime, Runtime::Container);
+        assert_eq!(old[0].updated_ms, 3);
+        // The same image and shape in the other runtime is another template.
+        let vm = TemplateRow {
+            runtime: Runtime::Vm,
+            state: TemplateState::Building,
+            updated_ms: 4,
+            ..old[0].clone()
+        };
+        r.put_template(&vm).unwrap();
+        let all = r.list_templates().unwrap();
+        assert_eq!(all, vec![old[0].clone(), vm]);
+        let bad = r.conn.execute(
+            "UPDATE sandboxes SET runtime = 'unikernel' WHERE id = ?1",
+            [Uuid::nil().to_string()],
+        );
+        assert!(bad.is_err());
+        for rt in [Runtime::Container, Runtime::Vm] {
+            assert_eq!(rt.as_str().parse::<Runtime>().unwrap(), rt);
+            assert_eq!(serde_json::to_value(rt).unwrap(), rt.as_str());
+        }
+    }
+
+    #[test]
     fn a_newer_schema_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("registry.db");
@@ -1316,6 +1458,7 @@ mod tests {
             name: n.into(),
             path: PathBuf::from(format!("/i/{n}.ext4")),
             size_bytes: 7,
+            runtimes: vec![Runtime::Container],
         };
         r.set_images(&[img("test"), img("default")], 5).unwrap();
         assert_eq!(r.images().unwrap(), vec![img("default"), img("test")]);

@@ -14,7 +14,7 @@ use uuid::Uuid;
 use super::error::{ApiError, Code};
 use super::lifecycle::detached;
 use super::openapi::errors;
-use super::registry::{Sandbox, SnapshotKind, SnapshotRow, State as VmState};
+use super::registry::{Runtime, Sandbox, SnapshotKind, SnapshotRow, State as VmState};
 use super::routes::{ApiJson, VmView};
 use super::tenants::{Caller, SlotHold};
 use super::{now_ms, App};
@@ -454,6 +454,7 @@ pub struct SnapshotView {
     #[schema(nullable = false)]
     name: Option<String>,
     image: String,
+    runtime: Runtime,
     cpus: u8,
     memory_mb: u32,
     /// The snapshot it is a diff on, if any.
@@ -478,6 +479,7 @@ impl From<SnapshotRow> for SnapshotView {
             vm_id: s.vm_id,
             name: s.name,
             image: s.image,
+            runtime: s.runtime,
             cpus: s.cpus,
             memory_mb: s.memory_mb,
             parent_snapshot_id: s.parent_id,
@@ -759,6 +761,7 @@ pub async fn from_snapshot(
     (id, slot): (Uuid, SlotHold),
 ) -> Result<Sandbox, ApiError> {
     let s = Sandbox {
+        runtime: snap.runtime,
         disable_internet: opts.disable_internet,
         idle_timeout_secs: opts.idle_timeout_secs,
         env: env.unwrap_or_else(|| snap.env.clone()),

@@ -23,7 +23,7 @@ use super::error::{ApiError, Code};
 use super::exec_limits::{ExecLimitArgs, ExecLimits, ExecLimitsView};
 use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
-use super::registry::{Sandbox, State as VmState};
+use super::registry::{Runtime, Sandbox, State as VmState};
 use super::supervisor::BootError;
 use super::tenants::Caller;
 use super::{lock, now_ms, App, MAX_BODY};
@@ -414,6 +414,13 @@ struct ScheduleReq {
     /// (`registry.example:5000/app:1`, `oci:/path/to/layout:tag`).
     #[schema(default = "default", example = "default")]
     image: Option<String>,
+    /// How the guest comes up: `container` (default), Sprout's agent as
+    /// PID 1 starting the image's entrypoint; or `vm`, the image's own
+    /// systemd as PID 1 starting the agent as a service (an OCI image
+    /// whose `/sbin/init` is systemd; `/v1/info` lists each image's
+    /// runtimes).
+    #[schema(default = "container")]
+    runtime: Option<Runtime>,
     /// A snapshot (or checkpoint) id: the sandbox is restored from it, in
     /// its image and shape (then `image`, `cpus` and `memoryMb` must not be
     /// given), with its guest re-identified before its first exec.
@@ -524,6 +531,7 @@ pub struct VmView {
     vm_id: Uuid,
     state: VmState,
     image: String,
+    runtime: Runtime,
     cpus: u8,
     memory_mb: u32,
     disable_internet: bool,
@@ -560,6 +568,7 @@ impl From<Sandbox> for VmView {
             vm_id: s.id,
             state: s.state,
             image: s.image,
+            runtime: s.runtime,
             cpus: s.cpus,
             memory_mb: s.memory_mb,
             disable_internet: s.disable_internet,
@@ -633,6 +642,7 @@ async fn schedule(
     if let Some(snap) = &req.snapshot {
         for (given, field) in [
             (req.image.is_some(), "image"),
+            (req.runtime.is_some(), "runtime"),
             (req.cpus.is_some(), "cpus"),
             (req.memory_mb.is_some(), "memoryMb"),
         ] {
@@ -670,6 +680,7 @@ async fn schedule(
         return Ok((StatusCode::CREATED, Json(s.into())));
     }
     let image = req.image.unwrap_or_else(|| "default".into());
+    let runtime = req.runtime.unwrap_or_default();
     let cpus = range("cpus", req.cpus.unwrap_or(2), 1, 4)? as u8;
     let memory_mb = range("memoryMb", req.memory_mb.unwrap_or(1024), 128, 8192)? as u32;
     let idle = req
@@ -706,6 +717,23 @@ async fn schedule(
         )
         .with_field("image"));
     };
+    if !img.runtimes.contains(&runtime) {
+        return Err(ApiError::new(
+            Code::ImageUnsupported,
+            format!(
+                "Image {} cannot run as runtime {}: the vm runtime needs an OCI image whose \
+                 /sbin/init is systemd (its runtimes: {})",
+                img.name,
+                runtime.as_str(),
+                img.runtimes
+                    .iter()
+                    .map(|r| r.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+        .with_field("runtime"));
+    }
     // An OCI image's sandbox records it pinned to its digest.
     let image = img.name.clone();
     if image != TEST_GUEST_IMAGE && !app.host.linux_guests {
@@ -718,9 +746,10 @@ async fn schedule(
     let slot = app.hold_slots(caller.name(), vec![id]).await?;
     if app.templates {
         let t = std::time::Instant::now();
-        match app.template_for(&img, cpus, memory_mb).await? {
+        match app.template_for(&img, runtime, cpus, memory_mb).await? {
             super::templates::Lookup::Building(secs) => {
-                return Err(super::templates::building(&image, cpus, memory_mb, secs));
+                let key = (runtime, cpus, memory_mb);
+                return Err(super::templates::building(&image, key, secs));
             }
             super::templates::Lookup::Ready(snap) => {
                 let opts = super::rest::FromSnapshot {
@@ -746,6 +775,7 @@ async fn schedule(
     }
     let t = std::time::Instant::now();
     let s = Sandbox {
+        runtime,
         disable_internet,
         idle_timeout_secs: idle,
         env,

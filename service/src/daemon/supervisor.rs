@@ -35,7 +35,7 @@ use vmm::config::VmSpec;
 
 use super::error::chain;
 use super::images::TEST_GUEST_IMAGE;
-use super::registry::{Sandbox, State};
+use super::registry::{Runtime, Sandbox, State};
 use crate::linux::{self, LinuxRun};
 
 /// How long a new sandbox's agent has to answer unless `SPROUT_BOOT_TIMEOUT`
@@ -180,6 +180,12 @@ impl Supervisor {
                 vsock_uds: Some(vsock.uds_path),
                 cpus: s.cpus,
                 memory_mib: u64::from(s.memory_mb),
+                // sprout-init execs the image's own init instead of the
+                // agent, which that init starts as a service.
+                cmdline: match s.runtime {
+                    Runtime::Container => String::new(),
+                    Runtime::Vm => "sprout.init=/sbin/init".into(),
+                },
                 ..LinuxRun::new()
             };
             let cfg = linux::vm_config(&run, &rw).map_err(|e| match e {

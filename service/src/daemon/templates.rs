@@ -19,7 +19,8 @@ use super::error::{chain, ApiError, Code};
 use super::images::TEST_GUEST_IMAGE;
 use super::openapi::errors;
 use super::registry::{
-    Image, Sandbox, SnapshotKind, SnapshotRow, State as VmState, TemplateRow, TemplateState,
+    Image, Runtime, Sandbox, SnapshotKind, SnapshotRow, State as VmState, TemplateRow,
+    TemplateState,
 };
 use super::supervisor::{BootError, CONTROL_SOCK};
 use super::{now_ms, App};
@@ -41,12 +42,13 @@ fn first_estimate(image: &str) -> u64 {
 }
 
 impl App {
-    /// The template of (`image`, shape) for a create: ready, or being
-    /// built (this call starts the build when there is none, or the last
-    /// one failed or its snapshot is gone).
+    /// The template of (`image`, `runtime`, shape) for a create: ready, or
+    /// being built (this call starts the build when there is none, or the
+    /// last one failed or its snapshot is gone).
     pub async fn template_for(
         self: &Arc<Self>,
         image: &Image,
+        runtime: Runtime,
         cpus: u8,
         memory_mb: u32,
     ) -> Result<Lookup, ApiError> {
@@ -61,9 +63,12 @@ impl App {
                     .filter_map(|t| t.build_ms)
                     .max()
                     .map_or_else(|| first_estimate(&name), |ms| ms.div_ceil(1000).max(1));
-                let this = all
-                    .into_iter()
-                    .find(|t| t.image == name && t.cpus == cpus && t.memory_mb == memory_mb);
+                let this = all.into_iter().find(|t| {
+                    t.image == name
+                        && t.runtime == runtime
+                        && t.cpus == cpus
+                        && t.memory_mb == memory_mb
+                });
                 match this {
                     Some(t) if t.state == TemplateState::Building => {
                         return Ok(Err(estimate));
@@ -81,6 +86,7 @@ impl App {
                 }
                 r.put_template(&TemplateRow {
                     image: name,
+                    runtime,
                     cpus,
                     memory_mb,
                     state: TemplateState::Building,
@@ -107,10 +113,12 @@ impl App {
                     .await?;
                 if ours {
                     tracing::info!(
-                        image = %image.name, cpus, memory_mb, "building a template"
+                        image = %image.name, runtime = runtime.as_str(), cpus, memory_mb,
+                        "building a template"
                     );
                     let (app, image) = (self.clone(), image.clone());
-                    tokio::spawn(async move { app.build(image, cpus, memory_mb, build_id).await });
+                    let key = (runtime, cpus, memory_mb);
+                    tokio::spawn(async move { app.build(image, key, build_id).await });
                 }
                 Ok(Lookup::Building(estimate))
             }
@@ -119,11 +127,10 @@ impl App {
 
     /// Builds a template and records how it went (a ready one is recorded
     /// by the build, with its snapshot, in one write).
-    async fn build(self: Arc<Self>, image: Image, cpus: u8, memory_mb: u32, build_id: Uuid) {
+    async fn build(self: Arc<Self>, image: Image, key: (Runtime, u8, u32), build_id: Uuid) {
+        let (runtime, cpus, memory_mb) = key;
         let t = Instant::now();
-        let r = self
-            .build_template(&image, cpus, memory_mb, build_id, t)
-            .await;
+        let r = self.build_template(&image, key, build_id, t).await;
         let took = t.elapsed().as_millis() as u64;
         let name = image.name.clone();
         match r {
@@ -145,6 +152,7 @@ impl App {
                     .db(move |r| {
                         r.put_template(&TemplateRow {
                             image: name,
+                            runtime,
                             cpus,
                             memory_mb,
                             state: TemplateState::Failed,
@@ -167,13 +175,15 @@ impl App {
     async fn build_template(
         self: &Arc<Self>,
         image: &Image,
-        cpus: u8,
-        memory_mb: u32,
+        (runtime, cpus, memory_mb): (Runtime, u8, u32),
         build_id: Uuid,
         started: Instant,
     ) -> Result<SnapshotRow, ApiError> {
         // Not a sandbox: never in the registry, its directory removed after.
-        let mut s = Sandbox::starting(build_id, "", &image.name, cpus, memory_mb, now_ms());
+        let mut s = Sandbox {
+            runtime,
+            ..Sandbox::starting(build_id, "", &image.name, cpus, memory_mb, now_ms())
+        };
         let (a, row, path) = (self.clone(), s.clone(), image.path.clone());
         let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path)))
             .await
@@ -224,12 +234,16 @@ impl App {
                 // sproutd's own: no tenant's.
                 tenant: String::new(),
                 vm_id: None,
-                name: Some(format!("{} {cpus} vCPU {memory_mb} MiB", image.name)),
+                name: Some(match runtime {
+                    Runtime::Container => format!("{} {cpus} vCPU {memory_mb} MiB", image.name),
+                    Runtime::Vm => format!("{} (vm) {cpus} vCPU {memory_mb} MiB", image.name),
+                }),
                 dir: w.dir,
                 kind: SnapshotKind::Template,
                 parent_id: None,
                 depth: 1,
                 image: image.name.clone(),
+                runtime,
                 cpus,
                 memory_mb,
                 env: Default::default(),
@@ -247,6 +261,7 @@ impl App {
                     r.insert_snapshot(&row)?;
                     r.put_template(&TemplateRow {
                         image: row.image.clone(),
+                        runtime,
                         cpus,
                         memory_mb,
                         state: TemplateState::Ready,
@@ -317,6 +332,7 @@ impl App {
 #[schema(as = Template)]
 pub struct TemplateView {
     image: String,
+    runtime: Runtime,
     cpus: u8,
     memory_mb: u32,
     state: TemplateState,
@@ -343,9 +359,9 @@ errors!(TemplateErrors = []);
 
 /// List templates
 ///
-/// One per (image, shape) created so far: `building`, `ready` (later
-/// creates restore it) or `failed` (with its reason; the next create of
-/// that image and shape builds it again).
+/// One per (image, runtime, shape) created so far: `building`, `ready`
+/// (later creates restore it) or `failed` (with its reason; the next create
+/// of that image, runtime and shape builds it again).
 #[utoipa::path(get, path = "/v1/runtime/templates", operation_id = "listTemplates", tag = "sandboxes",
     responses((status = 200, description = "The templates", body = TemplateList), TemplateErrors))]
 pub async fn list(State(app): State<Arc<App>>) -> Result<Json<TemplateList>, ApiError> {
@@ -357,6 +373,7 @@ pub async fn list(State(app): State<Arc<App>>) -> Result<Json<TemplateList>, Api
                 let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(t.updated_ms);
                 TemplateView {
                     image: t.image,
+                    runtime: t.runtime,
                     cpus: t.cpus,
                     memory_mb: t.memory_mb,
                     state: t.state,
@@ -372,11 +389,19 @@ pub async fn list(State(app): State<Arc<App>>) -> Result<Json<TemplateList>, Api
 
 /// The `503 template_building` of a create that found its template being
 /// built.
-pub fn building(image: &str, cpus: u8, memory_mb: u32, retry_after: u64) -> ApiError {
+pub fn building(
+    image: &str,
+    (runtime, cpus, memory_mb): (Runtime, u8, u32),
+    retry_after: u64,
+) -> ApiError {
+    let rt = match runtime {
+        Runtime::Container => "",
+        Runtime::Vm => " (runtime vm)",
+    };
     ApiError::new(
         Code::TemplateBuilding,
         format!(
-            "The template of {image} with {cpus} vCPUs and {memory_mb} MiB is being built \
+            "The template of {image}{rt} with {cpus} vCPUs and {memory_mb} MiB is being built \
              (a first create boots it once): retry after {retry_after} s; GET \
              /v1/runtime/templates shows it"
         ),
@@ -387,8 +412,9 @@ pub fn building(image: &str, cpus: u8, memory_mb: u32, retry_after: u64) -> ApiE
 /// A create's restore of a template failed: the template is failed, and
 /// the next create builds it again.
 pub async fn failed(app: &Arc<App>, snap: &SnapshotRow, why: &str) {
-    let (image, cpus, mem, sid, why) = (
+    let (image, runtime, cpus, mem, sid, why) = (
         snap.image.clone(),
+        snap.runtime,
         snap.cpus,
         snap.memory_mb,
         snap.id,
@@ -398,6 +424,7 @@ pub async fn failed(app: &Arc<App>, snap: &SnapshotRow, why: &str) {
         .db(move |r| {
             for mut t in r.list_templates()? {
                 if t.image == image
+                    && t.runtime == runtime
                     && t.cpus == cpus
                     && t.memory_mb == mem
                     && t.snapshot_id == Some(sid)

@@ -158,6 +158,17 @@ impl SproutFiles {
     }
 }
 
+/// Whether the image's `/sbin/init` is systemd (followed through its
+/// symlinks inside the image): the `vm` runtime needs it, since systemd is
+/// what starts the agent there (the unit [`SproutFiles::add_to`] adds).
+pub fn init_is_systemd(root: &Path) -> bool {
+    let Ok(p) = resolve(root, &["sbin".into(), "init".into()], true) else {
+        return false;
+    };
+    p.file_name().is_some_and(|n| n == "systemd")
+        && std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
 /// The main process of image `c` (its entrypoint then its cmd), with its
 /// user resolved in the image's own /etc/passwd and /etc/group (as a
 /// container runtime would); `None` when the image names no program.
@@ -451,6 +462,33 @@ mod tests {
         }
         let none = RunConfig::default();
         assert!(main_process(d.path(), &none).unwrap().is_none());
+    }
+
+    #[test]
+    fn systemd_as_init_is_found_through_the_images_own_symlinks() {
+        use std::os::unix::fs::symlink;
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        assert!(!init_is_systemd(r), "no /sbin/init");
+        // Debian's merged /usr: /sbin -> usr/sbin, init -> ../lib/systemd/systemd.
+        std::fs::create_dir_all(r.join("usr/sbin")).unwrap();
+        std::fs::create_dir_all(r.join("usr/lib/systemd")).unwrap();
+        symlink("usr/sbin", r.join("sbin")).unwrap();
+        symlink("../lib/systemd/systemd", r.join("usr/sbin/init")).unwrap();
+        assert!(!init_is_systemd(r), "a dangling link");
+        std::fs::write(r.join("usr/lib/systemd/systemd"), b"elf").unwrap();
+        assert!(!init_is_systemd(r), "not executable");
+        set_mode(&r.join("usr/lib/systemd/systemd"), 0o755).unwrap();
+        assert!(init_is_systemd(r));
+        // An absolute link resolves inside the image, never on the host.
+        std::fs::remove_file(r.join("usr/sbin/init")).unwrap();
+        symlink("/bin/busybox", r.join("usr/sbin/init")).unwrap();
+        assert!(!init_is_systemd(r), "busybox init is not systemd");
+        std::fs::remove_file(r.join("usr/sbin/init")).unwrap();
+        symlink("/lib/systemd/systemd", r.join("usr/sbin/init")).unwrap();
+        assert!(!init_is_systemd(r), "no /lib in the image");
+        symlink("usr/lib", r.join("lib")).unwrap();
+        assert!(init_is_systemd(r));
     }
 
     #[test]

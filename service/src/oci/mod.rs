@@ -142,6 +142,10 @@ pub struct OciImage {
     pub size_bytes: u64,
     pub layers: usize,
     pub config: RunConfig,
+    /// Whether its `/sbin/init` is systemd, which the `vm` runtime needs
+    /// (none: converted before this was recorded; not known).
+    #[serde(default)]
+    pub systemd: Option<bool>,
     pub built_at_ms: u64,
     /// Set on the value [`pull`] returns: whether it was already built.
     #[serde(skip)]
@@ -373,12 +377,13 @@ pub async fn pull(
     };
     let ext4 = work.join("rootfs.ext4");
     let (root, out, rc) = (rootfs.clone(), ext4.clone(), run_config.clone());
-    let size_bytes = tokio::task::spawn_blocking(move || {
+    let (size_bytes, systemd) = tokio::task::spawn_blocking(move || {
         let main = build::main_process(&root, &rc)?;
+        let systemd = build::init_is_systemd(&root);
         sprout.add_to(&root, main.as_ref())?;
         let n = build::make_ext4(&root, &out)?;
         let _ = std::fs::remove_dir_all(&root);
-        Ok::<_, OciError>(n)
+        Ok::<_, OciError>((n, systemd))
     })
     .await
     .map_err(|e| OciError::Build(format!("build task: {e}")))??;
@@ -392,6 +397,7 @@ pub async fn pull(
         size_bytes,
         layers: of,
         config: run_config,
+        systemd: Some(systemd),
         built_at_ms: now_ms(),
         cached: false,
     };

@@ -217,6 +217,7 @@ class AsyncClient:
         self,
         *,
         image: Optional[str] = None,
+        runtime: Optional[str] = None,
         cpus: Optional[int] = None,
         memory_mb: Optional[int] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -229,6 +230,7 @@ class AsyncClient:
         """As :meth:`sprout.Client.create`."""
         body = _base.schedule_body(
             image=image,
+            runtime=runtime,
             cpus=cpus,
             memory_mb=memory_mb,
             env=env,
@@ -310,6 +312,7 @@ class AsyncSandbox:
         cls,
         *,
         image: Optional[str] = None,
+        runtime: Optional[str] = None,
         cpus: Optional[int] = None,
         memory_mb: Optional[int] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -326,6 +329,7 @@ class AsyncSandbox:
         c = client or default_async_client(base_url, api_key)
         return await c.create(
             image=image,
+            runtime=runtime,
             cpus=cpus,
             memory_mb=memory_mb,
             env=env,

@@ -132,6 +132,7 @@ def json_of(r: httpx.Response, model: Type[Any]) -> Any:
 def schedule_body(
     *,
     image: Optional[str],
+    runtime: Optional[str],
     cpus: Optional[int],
     memory_mb: Optional[int],
     env: Optional[Mapping[str, str]],
@@ -142,6 +143,7 @@ def schedule_body(
 ) -> Dict[str, Any]:
     return ScheduleRequest(
         image=image,
+        runtime=runtime,
         cpus=cpus,
         memory_mb=memory_mb,
         disable_internet=disable_internet,

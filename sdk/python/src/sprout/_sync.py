@@ -238,6 +238,7 @@ class Client:
         self,
         *,
         image: Optional[str] = None,
+        runtime: Optional[str] = None,
         cpus: Optional[int] = None,
         memory_mb: Optional[int] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -250,6 +251,7 @@ class Client:
         """Creates a sandbox and returns it once it runs (see :meth:`Sandbox.create`)."""
         body = _base.schedule_body(
             image=image,
+            runtime=runtime,
             cpus=cpus,
             memory_mb=memory_mb,
             env=env,
@@ -353,6 +355,7 @@ class Sandbox:
         cls,
         *,
         image: Optional[str] = None,
+        runtime: Optional[str] = None,
         cpus: Optional[int] = None,
         memory_mb: Optional[int] = None,
         env: Optional[Mapping[str, str]] = None,
@@ -368,8 +371,10 @@ class Sandbox:
         """Creates a sandbox and returns it once it runs.
 
         Every field is optional (the server's defaults: image ``default``, 2
-        vCPUs, 1024 MiB). ``snapshot`` restores a snapshot or checkpoint
-        instead (then give no image, cpus or memory_mb). ``env`` is the base
+        vCPUs, 1024 MiB). ``runtime`` is ``"container"`` (the default: the
+        image's entrypoint is its main process) or ``"vm"`` (the image's own
+        systemd is PID 1). ``snapshot`` restores a snapshot or checkpoint
+        instead (then give no image, runtime, cpus or memory_mb). ``env`` is the base
         environment of every exec; ``metadata`` string pairs to find it by.
         ``idle_timeout_secs`` puts it to sleep after that long without a
         call (the next call wakes it).
@@ -385,6 +390,7 @@ class Sandbox:
         c = client or default_client(base_url, api_key)
         return c.create(
             image=image,
+            runtime=runtime,
             cpus=cpus,
             memory_mb=memory_mb,
             env=env,

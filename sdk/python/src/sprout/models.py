@@ -300,6 +300,7 @@ class Image(Model):
     name: str
     path: str
     size_bytes: int
+    runtimes: List[str]  # Runtime values
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,7 @@ class ScheduleRequest(Model):
 
     __schema__ = "ScheduleRequest"
     image: Optional[str] = None
+    runtime: Optional[str] = None  # a Runtime: "container" or "vm"
     cpus: Optional[int] = None
     memory_mb: Optional[int] = None
     disable_internet: Optional[bool] = None
@@ -384,6 +386,7 @@ class Vm(Model):
     vm_id: str
     state: str  # a VmState
     image: str
+    runtime: str  # a Runtime
     cpus: int
     memory_mb: int
     disable_internet: bool
@@ -474,6 +477,7 @@ class Snapshot(Model):
     kind: str  # a SnapshotKind
     vm_id: Optional[str]
     image: str
+    runtime: str  # a Runtime
     cpus: int
     memory_mb: int
     parent_snapshot_id: Optional[str]
@@ -504,10 +508,11 @@ class CheckpointRequest(Model):
 
 @dataclass(frozen=True)
 class Template(Model):
-    """A template: a snapshot of a booted (image, cpus, memory) that creates restore."""
+    """A template: a snapshot of a booted (image, runtime, cpus, memory) that creates restore."""
 
     __schema__ = "Template"
     image: str
+    runtime: str  # a Runtime
     cpus: int
     memory_mb: int
     state: str  # a TemplateState
