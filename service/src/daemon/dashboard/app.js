@@ -501,7 +501,7 @@
     function render() {
       stateBadge($('#state'), vm.state, vm.failureReason);
       setText(facts.vmId, vm.vmId);
-      setText(facts.image, vm.image);
+      setText(facts.image, vm.runtime === 'vm' ? `${vm.image} (runtime vm: its own systemd)` : vm.image);
       setText(facts.shape, shape(vm));
       setText(facts.created, `${age(vm.createdAt)} ago (${vm.createdAt})`);
       setText(facts.hostname, vm.hostname || '—');
