@@ -95,6 +95,8 @@ pub enum LabError {
     Tenants(PathBuf, String),
     #[error("The object store {0} cannot be reached from the lab: {1}")]
     Store(String, String),
+    #[error("The registry {0} cannot be forwarded into the lab: {1}")]
+    Registry(String, String),
 }
 
 /// What the lab needs, resolved before anything starts.
@@ -116,6 +118,48 @@ struct Config {
     /// The host address the object store is on, forwarded to the lab's
     /// [`INNER_S3`].
     s3_host: Option<String>,
+    /// Loopback registries of this host (their host part, their port),
+    /// each reachable in the lab at the same address.
+    registries: Vec<(String, u16)>,
+}
+
+/// The guest address whose connections QEMU forwards to the `i`th
+/// registry of [`Config::registries`] (the lab's init listens on the
+/// registry's port and passes each connection on to it).
+fn inner_registry(i: usize, port: u16) -> String {
+    format!("10.0.2.{}:{port}", 110 + i)
+}
+
+/// Most registries forwarded into the lab.
+const MAX_LAB_REGISTRIES: usize = 16;
+
+/// The host and port of a `--lab-registry`: a loopback registry, since the
+/// lab's sproutd reaches it at the same address through its own loopback
+/// (and plain HTTP is allowed for loopback registries only).
+fn lab_registry(addr: &str) -> Result<(String, u16), LabError> {
+    let bad = |why: &str| LabError::Registry(addr.to_owned(), why.to_owned());
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| bad("give it as 127.0.0.1:PORT or localhost:PORT"))?;
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| bad("its port must be 1-65535"))?;
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        return Err(bad(
+            "only a registry on this host's loopback can be forwarded into the lab \
+             (127.0.0.1:PORT or localhost:PORT)",
+        ));
+    }
+    if port == INNER_PORT {
+        return Err(bad("port 7070 is the lab's sproutd's own"));
+    }
+    Ok((host.to_owned(), port))
 }
 
 /// Where the lab's sproutd finds the object store: a guest address whose
@@ -268,13 +312,17 @@ fn lab_tenants(dir: &Path, file: &Path) -> Result<Vec<u8>, LabError> {
 
 /// The drive that brings the lab's sproutd what is not on its command
 /// line: a tar archive (ustar) that the lab's init unpacks into
-/// `/run/sprout/`, with `tenants.toml` (see [`lab_tenants`]) and
-/// `s3.env` (the object store's credentials, sourced before sproutd
-/// starts). Made before each boot; none if there is nothing to bring.
+/// `/run/sprout/`, with `tenants.toml` (see [`lab_tenants`]), `s3.env`
+/// (the object store's credentials, sourced before sproutd starts) and
+/// `registries` (a line `PORT GUEST-IP` per forwarded registry: the init
+/// listens on the port and passes each connection to the guest address
+/// QEMU forwards to the host's registry). Made before each boot; none if
+/// there is nothing to bring.
 fn config_drive(
     dir: &Path,
     tenants: Option<&Path>,
     s3_env: Option<&str>,
+    registries: &[(String, u16)],
 ) -> Result<Option<PathBuf>, LabError> {
     let mut files: Vec<(&str, Vec<u8>)> = Vec::new();
     if let Some(t) = tenants {
@@ -282,6 +330,15 @@ fn config_drive(
     }
     if let Some(e) = s3_env {
         files.push(("s3.env", e.as_bytes().to_vec()));
+    }
+    if !registries.is_empty() {
+        let mut lines = String::new();
+        for (i, (_, port)) in registries.iter().enumerate() {
+            let inner = inner_registry(i, *port);
+            let ip = inner.rsplit_once(':').map_or("", |(ip, _)| ip);
+            lines.push_str(&format!("{port} {ip}\n"));
+        }
+        files.push(("registries", lines.into_bytes()));
     }
     if files.is_empty() {
         return Ok(None);
@@ -400,6 +457,17 @@ impl Run {
             let (host, port) = h.rsplit_once(':').unwrap_or((h, "80"));
             nic.push_str(&format!(
                 ",guestfwd=tcp:{INNER_S3}-cmd:/bin/busybox nc {host} {port}"
+            ));
+        }
+        for (i, (host, port)) in cfg.registries.iter().enumerate() {
+            let host = if host == "localhost" {
+                "127.0.0.1"
+            } else {
+                host
+            };
+            nic.push_str(&format!(
+                ",guestfwd=tcp:{}-cmd:/bin/busybox nc {host} {port}",
+                inner_registry(i, *port)
             ));
         }
         cmd.arg("-nic")
@@ -804,6 +872,20 @@ pub(super) fn serve(
         Some(e) => Some(s3_host(e)?),
         None => None,
     };
+    let mut registries: Vec<(String, u16)> = Vec::new();
+    for r in &args.lab_registry {
+        let r = lab_registry(r)?;
+        if !registries.iter().any(|(_, p)| *p == r.1) {
+            registries.push(r);
+        }
+    }
+    if registries.len() > MAX_LAB_REGISTRIES {
+        return Err(LabError::Registry(
+            args.lab_registry.join(" "),
+            format!("at most {MAX_LAB_REGISTRIES} registries"),
+        )
+        .into());
+    }
     let disk = dir.join("data.ext4");
     ensure_data_disk(&disk)?;
     let cfg = Config {
@@ -839,6 +921,7 @@ pub(super) fn serve(
         tenants: args.tenants.clone(),
         s3_env: s3_host.as_ref().map(|_| s3_env()),
         s3_host,
+        registries,
     };
     tracing::warn!("{why}");
     eprintln!(
@@ -864,7 +947,12 @@ async fn supervise(cfg: Config) -> Result<(), DaemonError> {
         let started = Instant::now();
         // Read again at each boot: a restart of the lab takes the file's
         // changes.
-        let drive = config_drive(&cfg.dir, cfg.tenants.as_deref(), cfg.s3_env.as_deref())?;
+        let drive = config_drive(
+            &cfg.dir,
+            cfg.tenants.as_deref(),
+            cfg.s3_env.as_deref(),
+            &cfg.registries,
+        )?;
         let mut run = Run::start(&cfg, drive.as_deref())?;
         match run.until_ready(&cfg, &mut stop).await {
             Ok(true) => {}
@@ -985,7 +1073,7 @@ mod tests {
         let f = d.path().join("t.toml");
         std::fs::write(&f, &text).unwrap();
         let env = "export AWS_ACCESS_KEY_ID='a'\n";
-        let drive = config_drive(d.path(), Some(&f), Some(env))
+        let drive = config_drive(d.path(), Some(&f), Some(env), &[])
             .unwrap()
             .unwrap();
         let bytes = std::fs::read(&drive).unwrap();
@@ -1004,14 +1092,56 @@ mod tests {
         assert_eq!(unpack("s3.env"), env);
         // A bad edit keeps the last good tenants file.
         std::fs::write(&f, "[[tenant]]\nname = 7\n").unwrap();
-        config_drive(d.path(), Some(&f), None).unwrap();
+        config_drive(d.path(), Some(&f), None, &[]).unwrap();
         assert_eq!(unpack("tenants.toml"), text);
         // With no good one yet, the error is told.
         let none = d.path().join("none");
         std::fs::create_dir(&none).unwrap();
-        let e = config_drive(&none, Some(&f), None).unwrap_err();
+        let e = config_drive(&none, Some(&f), None, &[]).unwrap_err();
         assert!(e.to_string().contains("not valid"), "{e}");
-        assert!(config_drive(&none, None, None).unwrap().is_none());
+        assert!(config_drive(&none, None, None, &[]).unwrap().is_none());
+    }
+
+    #[test]
+    fn only_loopback_registries_are_forwarded_and_the_drive_lists_them() {
+        assert_eq!(
+            lab_registry("127.0.0.1:5000").unwrap(),
+            ("127.0.0.1".into(), 5000)
+        );
+        assert_eq!(
+            lab_registry("localhost:443").unwrap(),
+            ("localhost".into(), 443)
+        );
+        for bad in [
+            "registry.example:5000",
+            "10.0.0.1:5000",
+            "127.0.0.1",
+            "127.0.0.1:0",
+            "127.0.0.1:99999",
+            "127.0.0.1:7070",
+            "127.0.0.1:5000,guestfwd=x",
+            "[::1]:5000",
+        ] {
+            let e = lab_registry(bad).unwrap_err().to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        let regs = [
+            ("127.0.0.1".to_owned(), 5000),
+            ("localhost".to_owned(), 5001),
+        ];
+        let drive = config_drive(d.path(), None, None, &regs).unwrap().unwrap();
+        let out = std::process::Command::new("tar")
+            .arg("-xOf")
+            .arg(&drive)
+            .arg("registries")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            "5000 10.0.2.110\n5001 10.0.2.111\n"
+        );
     }
 
     #[test]

@@ -82,6 +82,11 @@ pub struct DaemonArgs {
     /// within 2048–16384).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1024..=262144))]
     pub lab_memory_mib: Option<u32>,
+    /// A registry on this host's loopback (`127.0.0.1:PORT` or
+    /// `localhost:PORT`) that the lab's sproutd pulls OCI images from under
+    /// the same address (repeatable; the lab reaches nothing else).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub lab_registry: Vec<String>,
     /// Only say whether this host's KVM runs Linux guests, and so whether
     /// sproutd would serve from the lab, then exit: 0 if it runs them, 3 if
     /// not (./serve asks this to know whether to build the lab).

@@ -142,8 +142,13 @@ pub async fn schedule(
             .get("retry-after")
             .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
         let v: serde_json::Value = r.json().await.unwrap();
-        if st == 503 && v["error"]["code"] == "template_building" {
-            let secs = retry.expect("a 503 template_building has a Retry-After");
+        if st == 503
+            && matches!(
+                v["error"]["code"].as_str(),
+                Some("template_building" | "image_pulling")
+            )
+        {
+            let secs = retry.expect("a 503 template_building or image_pulling has a Retry-After");
             assert!(secs >= 1, "{secs}");
             assert!(
                 t.elapsed() < std::time::Duration::from_secs(600),
