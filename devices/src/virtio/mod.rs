@@ -24,6 +24,7 @@ pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicB
 pub mod block;
 pub(crate) mod chain;
 pub mod mmio;
+pub mod net;
 pub mod rng;
 mod single_queue;
 #[cfg(test)]
@@ -31,6 +32,7 @@ pub(crate) mod test_ring;
 pub mod vsock;
 
 /// virtio device ids.
+pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_RNG: u32 = 4;
 pub const TYPE_VSOCK: u32 = 19;
