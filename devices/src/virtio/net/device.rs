@@ -81,6 +81,8 @@ pub struct Net {
     rx_buf: Vec<u8>,
     tx_buf: Vec<u8>,
     stats: NetStats,
+    /// Whether the event loop watches the TAP (see `event_handler`).
+    pub(super) tap_watched: bool,
 }
 
 impl Net {
@@ -104,6 +106,7 @@ impl Net {
             rx_buf: vec![0; MAX_PACKET],
             tx_buf: Vec::with_capacity(MAX_PACKET),
             stats: NetStats::default(),
+            tap_watched: false,
         })
     }
 

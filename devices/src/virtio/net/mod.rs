@@ -18,10 +18,14 @@
 //! event loop. A frame the TAP cannot take now (its queue is full) is
 //! dropped, as a congested link drops it, and counted.
 //!
-//! Not built yet (issue 17): the event-loop subscriber, saved state for
-//! snapshots, and the VMM's wiring.
+//! It is an `event_manager::MutEventSubscriber`: register it with the
+//! event loop and it serves both queues and the TAP.
+//!
+//! Not built yet (issue 17): saved state for snapshots, and the VMM's
+//! wiring.
 
 mod device;
+mod event_handler;
 mod tap;
 
 pub use device::{Net, NetStats};
