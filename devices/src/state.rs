@@ -31,6 +31,8 @@ pub mod versions {
     pub const VSOCK: u16 = 1;
     /// [`RngState`](crate::virtio::rng::RngState).
     pub const RNG: u16 = 1;
+    /// [`NetState`](crate::virtio::net::NetState).
+    pub const NET: u16 = 1;
     /// The VMM's `VmState` blob (a snapshot's `state.bin`).
     pub const VM: u32 = 1;
 }

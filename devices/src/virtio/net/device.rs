@@ -122,6 +122,18 @@ impl Net {
         self.stats
     }
 
+    /// Features the driver acknowledged at activation.
+    pub fn acked_features(&self) -> u64 {
+        self.acked_features
+    }
+
+    /// Marks a new device as restored in `virtio`'s state, until the
+    /// transport re-activates it.
+    pub(super) fn set_restored(&mut self, virtio: VirtioDeviceState) {
+        self.needs_reset = virtio.needs_reset;
+        self.restored = Some(virtio);
+    }
+
     /// The eventfd a dispatch writes when it leaves work behind.
     pub fn kick_event(&self) -> &EventFd {
         &self.kick

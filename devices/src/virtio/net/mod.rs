@@ -21,14 +21,19 @@
 //! It is an `event_manager::MutEventSubscriber`: register it with the
 //! event loop and it serves both queues and the TAP.
 //!
-//! Not built yet (issue 17): saved state for snapshots, and the VMM's
-//! wiring.
+//! Its state ([`NetState`]) is saved with a snapshot; a restore gives it a
+//! TAP of its own, and a MAC of its own if asked.
+//!
+//! Not built yet (issue 17): the VMM's wiring, the per-sandbox network
+//! namespace, and the guest's address after a restore.
 
 mod device;
 mod event_handler;
+mod persist;
 mod tap;
 
 pub use device::{Net, NetStats};
+pub use persist::{NetRestoreArgs, NetState};
 pub use tap::{Tap, TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN};
 
 use std::io;

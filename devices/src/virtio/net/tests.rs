@@ -501,3 +501,99 @@ fn the_event_loop_carries_frames_both_ways_and_idles_while_a_frame_waits() {
     run_until(&mut em, "the frame sent", &|| tx.used(&mem).len() == 1);
     assert_eq!(wire.recv(Duration::from_secs(5)), Some(out));
 }
+
+#[test]
+fn state_round_trips_is_checked_and_a_restored_device_serves_on_its_own_tap() {
+    use crate::bus::lock;
+    use crate::state::{copy_guest_memory, postcard_round_trip, versions, Persist, StateError};
+    use crate::virtio::mmio::{MmioRestoreArgs, MmioTransport};
+    use crate::virtio::VirtioDeviceState;
+    use std::sync::{Arc, Mutex};
+
+    // An idle device: nothing but its MAC.
+    let mut w = Wire::new();
+    let idle = Net::new(w.tap.take().unwrap(), MAC).unwrap().save();
+    assert_eq!(idle.virtio, VirtioDeviceState::default());
+    assert_eq!(idle.mac, MAC);
+    let args = |w: &mut Wire, mac| NetRestoreArgs {
+        tap: w.tap.take().unwrap(),
+        mac,
+    };
+    let mut w2 = Wire::new();
+    let n = Net::restore(args(&mut w2, None), &postcard_round_trip(&idle)).unwrap();
+    assert!(!n.is_activated());
+    let bad = |edit: fn(&mut NetState)| {
+        let mut s = NetState {
+            version: versions::NET,
+            virtio: VirtioDeviceState {
+                activated: true,
+                acked_features: VIRTIO_F_VERSION_1,
+                needs_reset: false,
+            },
+            mac: MAC,
+        };
+        edit(&mut s);
+        let mut w = Wire::new();
+        Net::restore(args(&mut w, None), &s).err().unwrap()
+    };
+    assert!(matches!(bad(|s| s.version = 0), StateError::Version { .. }));
+    bad(|s| s.virtio.acked_features |= 1 << 60);
+    bad(|s| s.virtio.activated = false);
+    bad(|s| s.mac = [0xff; 6]);
+
+    // A running device, saved and restored on another TAP with another MAC.
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), RAM as usize)]).unwrap();
+    let (rx, tx) = (Ring::at(0x1000, QUEUE_SIZE), Ring::at(0x9000, QUEUE_SIZE));
+    let mut w = Wire::new();
+    let net = Arc::new(Mutex::new(Net::new(w.tap.take().unwrap(), MAC).unwrap()));
+    let mut t = MmioTransport::new(mem.clone(), net.clone());
+    t.drive_to_driver_ok(
+        VIRTIO_F_VERSION_1 | (1 << VIRTIO_NET_F_GUEST_CSUM),
+        &[rx.transport_queue(), tx.transport_queue()],
+    );
+    let send = |mem: &GuestMemoryMmap, slot: u16, text: &[u8]| {
+        let f = frame(PEER, MAC, text);
+        let mut pkt = vec![0u8; HDR_SIZE];
+        pkt.extend_from_slice(&f);
+        let at = 0x10_0000 + u64::from(slot) * 0x1000;
+        mem.write_slice(&pkt, GuestAddress(at)).unwrap();
+        tx.offer(mem, &[desc(at, pkt.len() as u32, 0, 0)], slot);
+        f
+    };
+    let f = send(&mem, 0, b"before the snapshot");
+    lock(&net).pump();
+    assert_eq!(w.recv(Duration::from_secs(5)), Some(f));
+    let state = postcard_round_trip(&lock(&net).save());
+    assert_eq!(
+        state.virtio.acked_features,
+        VIRTIO_F_VERSION_1 | (1 << VIRTIO_NET_F_GUEST_CSUM)
+    );
+    let t_state = postcard_round_trip(&t.save());
+    let mem2 = copy_guest_memory(&mem);
+    let child_mac = [0x06, 0, 0xac, 0x10, 0, 0x09];
+    let mut w3 = Wire::new();
+    let net2 = Arc::new(Mutex::new(
+        Net::restore(args(&mut w3, Some(child_mac)), &state).unwrap(),
+    ));
+    let _t2 = MmioTransport::restore(
+        MmioRestoreArgs {
+            mem: mem2.clone(),
+            device: net2.clone(),
+        },
+        &t_state,
+    )
+    .unwrap();
+    assert!(lock(&net2).is_activated());
+    let mut cfg = [0u8; 6];
+    lock(&net2).read_config(0, &mut cfg);
+    assert_eq!(cfg, child_mac);
+    let f2 = send(&mem2, 1, b"after the restore");
+    lock(&net2).pump();
+    assert_eq!(w3.recv(Duration::from_secs(5)), Some(f2));
+    assert_eq!(tx.used(&mem2), vec![(0, 0), (1, 0)]);
+    assert_eq!(
+        w.recv(Duration::from_millis(300)),
+        None,
+        "not on the parent's TAP"
+    );
+}
