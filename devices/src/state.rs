@@ -34,7 +34,7 @@ pub mod versions {
     /// [`NetState`](crate::virtio::net::NetState).
     pub const NET: u16 = 1;
     /// The VMM's `VmState` blob (a snapshot's `state.bin`).
-    pub const VM: u32 = 1;
+    pub const VM: u32 = 2;
 }
 
 /// How a device is saved and restored.

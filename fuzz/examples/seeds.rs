@@ -45,6 +45,7 @@ fn spec() -> VmSpec {
             uds_path: "v.sock".into(),
         }),
         rng: true,
+        net: None,
     }
 }
 

@@ -208,6 +208,7 @@ impl VmBuilder {
                 VirtioDev::Block(d) => at.attach_virtio(slot.what, d.clone(), make)?,
                 VirtioDev::Vsock(d) => at.attach_virtio(slot.what, d.clone(), make)?,
                 VirtioDev::Rng(d) => at.attach_virtio(slot.what, d.clone(), make)?,
+                VirtioDev::Net(d) => at.attach_virtio(slot.what, d.clone(), make)?,
             };
             virtio.push(VirtioHandle {
                 transport,

@@ -34,6 +34,8 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     pub vsock: Option<VsockConfig>,
     pub rng: bool,
+    /// A virtio-net device on a TAP interface.
+    pub net: Option<NetConfig>,
     pub serial: SerialOutput,
     /// Feed the VMM's standard input to the guest's serial console.
     pub console_input: bool,
@@ -59,6 +61,15 @@ pub struct VmSpec {
     pub disks: Vec<DiskConfig>,
     pub vsock: Option<VsockConfig>,
     pub rng: bool,
+    pub net: Option<NetConfig>,
+}
+
+/// A virtio-net device: its wire is the TAP interface `tap` (created if
+/// missing, which needs CAP_NET_ADMIN), its MAC `mac` (unicast).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NetConfig {
+    pub tap: String,
+    pub mac: [u8; 6],
 }
 
 impl VmConfig {
@@ -71,6 +82,7 @@ impl VmConfig {
             disks: self.disks.clone(),
             vsock: self.vsock.clone(),
             rng: self.rng,
+            net: self.net.clone(),
         }
     }
 
@@ -84,6 +96,7 @@ impl VmConfig {
             disks: spec.disks,
             vsock: spec.vsock,
             rng: spec.rng,
+            net: spec.net,
             serial,
             console_input: false,
             instance_id: None,
@@ -101,6 +114,7 @@ impl VmConfig {
             disks: Vec::new(),
             vsock: None,
             rng: false,
+            net: None,
             serial: SerialOutput::Stdout,
             console_input: false,
             instance_id: None,
@@ -109,7 +123,10 @@ impl VmConfig {
     }
 
     pub fn virtio_devices(&self) -> usize {
-        self.disks.len() + usize::from(self.vsock.is_some()) + usize::from(self.rng)
+        self.disks.len()
+            + usize::from(self.vsock.is_some())
+            + usize::from(self.rng)
+            + usize::from(self.net.is_some())
     }
 
     /// Checks every value before any resource is created.

@@ -4,6 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use devices::legacy::{Serial, I8042};
 use devices::virtio::block::{Block, BlockConfig, LayeredDisk};
+use devices::virtio::net::{Net, Tap};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
 use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
@@ -183,6 +184,15 @@ impl DeviceSource for BootDevices<'_> {
             out.push(fresh(
                 "virtio-rng",
                 VirtioDev::Rng(Arc::new(Mutex::new(dev))),
+            ));
+        }
+        if let Some(n) = &config.net {
+            let tap = Tap::open(&n.tap)
+                .map_err(|e| VmError::Net(devices::virtio::net::NetError::Tap(n.tap.clone(), e)))?;
+            let dev = Net::new(tap, n.mac).map_err(VmError::Net)?;
+            out.push(fresh(
+                "virtio-net",
+                VirtioDev::Net(Arc::new(Mutex::new(dev))),
             ));
         }
         Ok(out)

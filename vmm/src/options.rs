@@ -57,6 +57,10 @@ pub struct RestoreOptions {
     /// [`crate::VmConfig::vsock_max_connections`]): a host-side limit, not
     /// part of the snapshot.
     pub vsock_max_connections: usize,
+    /// The restored VM's network device: its own TAP and MAC (the
+    /// snapshot's TAP may belong to a VM that still runs). Needed if it has
+    /// one.
+    pub net: Option<crate::config::NetConfig>,
 }
 
 impl RestoreOptions {
@@ -70,6 +74,7 @@ impl RestoreOptions {
             scratch_dir: std::env::temp_dir(),
             instance_id: None,
             vsock_max_connections: crate::config::DEFAULT_VSOCK_CONNECTIONS,
+            net: None,
         }
     }
 

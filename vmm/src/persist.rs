@@ -342,6 +342,7 @@ impl Vm {
                 }
                 VirtioDev::Vsock(v) => DevState::Vsock(lock(v).save()),
                 VirtioDev::Rng(r) => DevState::Rng(lock(r).save()),
+                VirtioDev::Net(n) => DevState::Net(lock(n).save()),
             };
             virtio.push(VirtioSlot { transport, dev });
         }

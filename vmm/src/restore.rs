@@ -12,6 +12,7 @@ use devices::legacy::{Serial, SerialRestoreArgs, I8042};
 use devices::state::Persist;
 use devices::virtio::block::{Block, BlockDisk, BlockRestoreArgs, LayerFiles, LayeredDisk};
 use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport};
+use devices::virtio::net::{Net, NetRestoreArgs, Tap};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
 use snapshot::format::Snapshot;
@@ -77,6 +78,8 @@ pub enum RestoreError {
     },
     #[error("The snapshot has a vsock device: give the restored VM a vsock socket path")]
     NeedVsockPath,
+    #[error("The snapshot has a network device: give the restored VM a TAP and a MAC")]
+    NeedNet,
     #[error("Cannot build the VM")]
     Vm(#[from] VmError),
     #[error("Cannot restore the VM's KVM state")]
@@ -125,7 +128,7 @@ impl RestoreError {
             | Self::WorkingSet(_) => "bad_snapshot",
             Self::Lease(LeaseError::Gone(_)) => "layer_gone",
             Self::ShapeMismatch { .. } | Self::ShellMismatch { .. } => "shape_mismatch",
-            Self::NeedVsockPath => "bad_request",
+            Self::NeedVsockPath | Self::NeedNet => "bad_request",
             Self::NoPit | Self::Arch(_) => "kvm",
             Self::Vm(e) | Self::Resume(e) => e.code(),
             Self::Lease(_)
@@ -367,6 +370,21 @@ impl DeviceSource for RestoreDevices<'_> {
                 DevState::Rng(s) => {
                     let dev = Rng::restore((), s)?;
                     ("virtio-rng", VirtioDev::Rng(Arc::new(Mutex::new(dev))))
+                }
+                DevState::Net(s) => {
+                    let n = self.opts.net.clone().ok_or(RestoreError::NeedNet)?;
+                    let tap = Tap::open(&n.tap).map_err(|e| {
+                        VmError::Net(devices::virtio::net::NetError::Tap(n.tap.clone(), e))
+                    })?;
+                    let dev = Net::restore(
+                        NetRestoreArgs {
+                            tap,
+                            mac: Some(n.mac),
+                        },
+                        s,
+                    )?;
+                    self.spec.net = Some(n);
+                    ("virtio-net", VirtioDev::Net(Arc::new(Mutex::new(dev))))
                 }
             };
             let t = slot.transport.clone();

@@ -55,6 +55,8 @@ pub enum VmError {
     Vsock(#[source] devices::virtio::vsock::VsockError),
     #[error("Cannot set up the rng device")]
     Rng(#[source] devices::virtio::rng::RngError),
+    #[error("Cannot set up the network device")]
+    Net(#[source] devices::virtio::net::NetError),
     #[error("Cannot start the device event loop")]
     EventLoop(#[source] std::io::Error),
     #[error("vCPU thread")]
@@ -72,7 +74,7 @@ impl VmError {
             }
             Self::InvalidState(_) => "invalid_state",
             Self::Kvm(_) | Self::KvmOp(..) | Self::Regs(_) | Self::State(_) => "kvm",
-            Self::Memory(_) | Self::Vsock(_) | Self::Rng(_) => "io",
+            Self::Memory(_) | Self::Vsock(_) | Self::Rng(_) | Self::Net(_) => "io",
             Self::Boot(_) | Self::Attach(_) | Self::EventLoop(_) | Self::Vcpu(_) => "internal",
         }
     }

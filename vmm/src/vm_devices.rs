@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use devices::legacy::{Serial, I8042};
 use devices::virtio::block::Block;
 use devices::virtio::mmio::{MmioTransport, NOTIFY_REG_OFFSET};
+use devices::virtio::net::Net;
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
 use devices::virtio::VirtioDevice;
@@ -47,6 +48,7 @@ pub enum VirtioDev {
     Block(Arc<Mutex<Block>>),
     Vsock(Arc<Mutex<Vsock>>),
     Rng(Arc<Mutex<Rng>>),
+    Net(Arc<Mutex<Net>>),
 }
 
 /// The transport and device of one virtio-mmio slot.

@@ -12,6 +12,7 @@ use devices::legacy::serial::SerialState;
 use devices::state::versions;
 use devices::virtio::block::BlockState;
 use devices::virtio::mmio::MmioTransportState;
+use devices::virtio::net::NetState;
 use devices::virtio::rng::RngState;
 use devices::virtio::vsock::VsockState;
 use serde::{Deserialize, Serialize};
@@ -66,6 +67,7 @@ pub enum DevState {
     },
     Vsock(VsockState),
     Rng(RngState),
+    Net(NetState),
 }
 
 impl DevState {
@@ -75,6 +77,7 @@ impl DevState {
             Self::Block { .. } => "virtio-blk",
             Self::Vsock(_) => "virtio-vsock",
             Self::Rng(_) => "virtio-rng",
+            Self::Net(_) => "virtio-net",
         }
     }
 }

@@ -119,6 +119,12 @@ pub const CMD_RNG_READ: u32 = 14;
 /// words at [`flood_counts_gpa`] count them per device (blk, rng), so the host can see
 /// each queue served. vCPU 0 serves no command after this; the others do.
 pub const CMD_FLOOD: u32 = 15;
+/// args = [gpa, len]: send the `len` bytes at gpa (a frame after its 12-byte
+/// virtio-net header) on virtio-net's transmit queue. rets[0] = the used length.
+pub const CMD_NET_SEND: u32 = 16;
+/// args = [gpa, cap]: post a `cap`-byte receive buffer at gpa on virtio-net and
+/// wait for a frame. rets[0] = its length, header included.
+pub const CMD_NET_RECV: u32 = 17;
 /// `CMD_FLOOD` target: virtio-blk reads.
 pub const FLOOD_BLK: u64 = 1;
 /// `CMD_FLOOD` target: virtio-rng reads.

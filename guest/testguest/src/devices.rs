@@ -2,9 +2,10 @@
 
 use crate::blk::Blk;
 use crate::bootparams::BootInfo;
+use crate::net::Net;
 use crate::println;
 use crate::rng::Rng;
-use crate::virtio::{Transport, ID_BLOCK, ID_RNG, ID_VSOCK};
+use crate::virtio::{Transport, ID_BLOCK, ID_NET, ID_RNG, ID_VSOCK};
 use crate::vsock::Vsock;
 use core::sync::atomic::{AtomicU64, Ordering};
 use guest_abi::layout::VIRTIO_MMIO_MAX;
@@ -16,6 +17,7 @@ pub struct Devices {
     pub nblk: usize,
     pub vsock: Option<Vsock>,
     pub rng: Option<Rng>,
+    pub net: Option<Net>,
 }
 
 /// `CMD_PROBE`'s answer, published for every vCPU.
@@ -29,6 +31,7 @@ impl Devices {
             nblk: 0,
             vsock: None,
             rng: None,
+            net: None,
         };
         for dev in info.virtio_devices() {
             let Some((t, id)) = Transport::probe(dev.addr) else {
@@ -42,6 +45,7 @@ impl Devices {
                 }),
                 ID_VSOCK if d.vsock.is_none() => Vsock::new(t).map(|v| d.vsock = Some(v)),
                 ID_RNG if d.rng.is_none() => Rng::new(t).map(|r| d.rng = Some(r)),
+                ID_NET if d.net.is_none() => Net::new(t).map(|n| d.net = Some(n)),
                 _ => {
                     println!("virtio: device id {} at {:#x} not used", id, dev.addr);
                     continue;

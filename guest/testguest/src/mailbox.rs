@@ -106,7 +106,7 @@ impl Mailbox {
                 None => Err(STATUS_NO_DEVICE),
             },
             CMD_BLK_READ | CMD_BLK_WRITE | CMD_BLK_FLUSH | CMD_BLK_ID | CMD_RNG_READ
-            | CMD_VSOCK_SEND => match devs {
+            | CMD_VSOCK_SEND | CMD_NET_SEND | CMD_NET_RECV => match devs {
                 Some(d) => return device_cmd(c, info, d),
                 None => Err(STATUS_NO_DEVICE),
             },
@@ -200,6 +200,18 @@ fn device_cmd(c: &Cmd, info: &BootInfo, d: &mut Devices) -> Reply {
         },
         CMD_BLK_ID => match d.blk(a0) {
             Some(b) if buffer(info, a1, blk::ID_BYTES as u64).is_ok() => done(b.id(a1)),
+            Some(_) => done(STATUS_BAD_ARG),
+            None => done(STATUS_NO_DEVICE),
+        },
+        CMD_NET_SEND | CMD_NET_RECV => match d.net.as_mut() {
+            Some(n) if a1 <= 65_562 && buffer(info, a0, a1).is_ok() => {
+                let (status, len) = if c.cmd == CMD_NET_SEND {
+                    n.send(a0, a1 as u32)
+                } else {
+                    n.recv(a0, a1 as u32)
+                };
+                Reply::Done(status, [u64::from(len), 0, 0, 0])
+            }
             Some(_) => done(STATUS_BAD_ARG),
             None => done(STATUS_NO_DEVICE),
         },

@@ -10,6 +10,7 @@ mod devices;
 mod ioapic;
 mod mailbox;
 mod mem;
+mod net;
 mod rng;
 mod selftest;
 mod serial;

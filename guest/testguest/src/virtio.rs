@@ -37,6 +37,7 @@ const S_DRIVER_OK: u32 = 4;
 const S_FEATURES_OK: u32 = 8;
 const S_FAILED: u32 = 128;
 
+pub const ID_NET: u32 = 1;
 pub const ID_BLOCK: u32 = 2;
 pub const ID_RNG: u32 = 4;
 pub const ID_VSOCK: u32 = 19;
