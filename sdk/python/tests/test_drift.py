@@ -111,7 +111,8 @@ def check_type(
         if typing.get_origin(tp) not in (list, List):
             problems.append(f"{where}: expected a List, the SDK has {tp}")
             return
-        check_type(schema["items"], typing.get_args(tp)[0], where + "[]", doc, None, problems)
+        # A list of enum values: ENUM_FIELDS names the items' enum.
+        check_type(schema["items"], typing.get_args(tp)[0], where + "[]", doc, enum_of, problems)
     elif t == "object" and "properties" in schema:
         if not (isinstance(tp, type) and issubclass(tp, models.Model)):
             problems.append(f"{where}: expected a model of an inline object, the SDK has {tp}")

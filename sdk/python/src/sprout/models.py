@@ -34,6 +34,7 @@ __all__ = [
     "FileType",
     "SnapshotKind",
     "TemplateState",
+    "Runtime",
     "Signal",
     # base
     "Model",
@@ -146,6 +147,9 @@ FileType = Literal["file", "dir", "symlink", "other"]
 SnapshotKind = Literal["user", "rest", "checkpoint", "template", "dropped"]
 #: Where a template's build is.
 TemplateState = Literal["building", "ready", "failed"]
+#: How a sandbox's guest comes up: Sprout's agent as PID 1, or the image's
+#: own systemd.
+Runtime = Literal["container", "vm"]
 #: A signal: a number 1-64 or a name (HUP, INT, QUIT, KILL, USR1, USR2, TERM,
 #: CONT, STOP, with or without ``SIG``).
 Signal = Union[int, str]
@@ -793,6 +797,7 @@ SCHEMA_ENUMS: Dict[str, Any] = {
     "FileType": FileType,
     "SnapshotKind": SnapshotKind,
     "TemplateState": TemplateState,
+    "Runtime": Runtime,
 }
 
 #: Fields whose JSON type is one of the enums above (they are typed ``str``
@@ -806,4 +811,9 @@ ENUM_FIELDS: Dict[Tuple[str, str], str] = {
     ("FileEntry", "type"): "FileType",
     ("ErrorBody", "code"): "ErrorCode",
     ("ErrorBody", "state"): "VmState",
+    ("Vm", "runtime"): "Runtime",
+    ("ScheduleRequest", "runtime"): "Runtime",
+    ("Snapshot", "runtime"): "Runtime",
+    ("Template", "runtime"): "Runtime",
+    ("Image", "runtimes"): "Runtime",
 }
