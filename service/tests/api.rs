@@ -268,6 +268,19 @@ async fn values_out_of_range_are_400_naming_the_field() {
     let r = post(&c, &d, "/v1/runtime/schedule", json!({"image": "no-such"})).await;
     let m = assert_error(r, StatusCode::BAD_REQUEST, "unknown_image").await;
     assert!(m.contains("testguest"), "lists the images: {m}");
+    // A malformed OCI reference, on any host.
+    let r = post(
+        &c,
+        &d,
+        "/v1/runtime/schedule",
+        json!({"image": "oci:relative:1"}),
+    )
+    .await;
+    let status = r.status();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["code"], "bad_image_reference", "{v}");
+    assert_eq!(v["error"]["field"], "image", "{v}");
     // A runtime the image has no init for, an unknown runtime, and a
     // runtime beside a snapshot (whose runtime is used).
     let body = json!({"image": "testguest", "runtime": "vm", "cpus": 1, "memoryMb": 128});
@@ -332,6 +345,10 @@ async fn a_linux_sandbox_on_a_host_that_cannot_run_linux_is_503() {
     let r = post(&c, &d, "/v1/runtime/schedule", json!({})).await;
     let m = assert_error(r, StatusCode::SERVICE_UNAVAILABLE, "host_unsupported").await;
     assert!(m.contains("cannot run Linux guests"), "{m}");
+    // An OCI image too (refused before any pull).
+    let body = json!({"image": "registry.example:5000/app:1"});
+    let r = post(&c, &d, "/v1/runtime/schedule", body).await;
+    assert_error(r, StatusCode::SERVICE_UNAVAILABLE, "host_unsupported").await;
     let v: Value = c
         .get(d.url("/v1/runtime/vms"))
         .send()

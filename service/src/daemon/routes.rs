@@ -693,8 +693,18 @@ async fn schedule(
     let metadata = req.metadata.unwrap_or_default();
     check_metadata(&metadata)?;
     let oci = crate::oci::is_oci(&image);
-    if oci && !app.host.linux_guests {
-        return Err(host_unsupported(&app));
+    if oci {
+        // A malformed reference is the client's mistake on any host.
+        if let Err(e) = crate::oci::parse(&image) {
+            let e = crate::oci::OciError::from(e);
+            return Err(
+                ApiError::new(super::oci_images::code_of(&e), super::error::chain(&e))
+                    .with_field("image"),
+            );
+        }
+        if !app.host.linux_guests {
+            return Err(host_unsupported(&app));
+        }
     }
     let found = if oci {
         Some(app.oci.image(&image).await?)
