@@ -152,12 +152,16 @@ agent=$cache/images/.sprout-agent.stripped
 # Every shared object sprout and mkfs.ext4 load, the dynamic loader included
 # (absolute paths).
 libs=$({ ldd "$sprout"; ldd "$mkfs"; } | grep -o '/[^ ]*' | sort -u)
+# The CA certificates, as on any host: the lab's sproutd sets up TLS for
+# every registry pull (even a plain-HTTP loopback one) and cannot without.
+cacerts=/etc/ssl/certs/ca-certificates.crt
+[ -f "$cacerts" ] || die "no CA certificates at $cacerts: apt-get install ca-certificates"
 
 # --- 3. The lab itself, keyed by everything above -----------------------------
 key=$( {
   echo "$pkg $ver"
   # shellcheck disable=SC2086
-  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" "$mkfs" /etc/mke2fs.conf "$agent" $libs
+  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" "$mkfs" /etc/mke2fs.conf "$agent" "$cacerts" $libs
   for n in "${images[@]}"; do echo "$n ${image_path[$n]}"; done
 } | sha | cut -c1-16)
 lab=$cache/lab-$key
@@ -182,6 +186,8 @@ cp "$outer/modules/order" "$ird/lib/modules/order"
 strip -o "$ird/opt/sprout/bin/sprout" "$sprout"
 cp -L "$mkfs" "$ird/usr/sbin/mkfs.ext4"
 cp /etc/mke2fs.conf "$ird/etc/mke2fs.conf"
+mkdir -p "$ird/etc/ssl/certs"
+cp -L "$cacerts" "$ird/etc/ssl/certs/ca-certificates.crt"
 for lib in $libs; do
   mkdir -p "$ird$(dirname "$lib")"
   cp -L "$lib" "$ird$lib"

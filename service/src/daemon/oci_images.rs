@@ -115,7 +115,17 @@ impl Pulls {
             *lock(&p.status) = text;
         };
         let t = std::time::Instant::now();
-        let outcome = oci::pull(&reference, &opts, &mut progress).await;
+        // On a task of its own: a pull that panics is a failed pull (every
+        // create waiting on it is answered), never one left "being pulled".
+        let r = reference.clone();
+        let outcome = tokio::spawn(async move { oci::pull(&r, &opts, &mut progress).await })
+            .await
+            .unwrap_or_else(|e| {
+                Err(OciError::Build(format!(
+                    "the pull stopped unexpectedly: {}",
+                    panic_text(e)
+                )))
+            });
         match &outcome {
             Ok(img) if !img.cached => tracing::info!(
                 image = %reference,
@@ -151,6 +161,18 @@ impl Pulls {
             .iter()
             .map(|i| image_of(&i.reference, i))
             .collect()
+    }
+}
+
+/// What a failed pull task's panic said.
+fn panic_text(e: tokio::task::JoinError) -> String {
+    match e.try_into_panic() {
+        Ok(p) => p
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into()),
+        Err(e) => e.to_string(),
     }
 }
 

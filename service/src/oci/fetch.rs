@@ -134,8 +134,11 @@ pub enum Fetcher {
 }
 
 impl Fetcher {
-    pub fn new(source: &Source, auth: RegistryAuth) -> Fetcher {
-        match source {
+    /// A fetcher for `source`; for a registry, its HTTP client (which
+    /// needs a TLS set-up even for a plain-HTTP loopback registry: a host
+    /// without CA certificates has none).
+    pub fn new(source: &Source, auth: RegistryAuth) -> Result<Fetcher, OciError> {
+        Ok(match source {
             Source::Registry(r) => {
                 let protocol = if is_loopback_registry(r.resolve_registry()) {
                     oci_client::client::ClientProtocol::Http
@@ -151,8 +154,22 @@ impl Fetcher {
                     read_timeout: Some(std::time::Duration::from_secs(60)),
                     ..Default::default()
                 };
+                // oci-client falls back to reqwest's `Client::new()` when its
+                // own set-up fails, and that panics when TLS cannot be set
+                // up: an error here, not a panic in the pull.
+                let client = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    oci_client::Client::new(config)
+                }))
+                .map_err(|_| {
+                    OciError::Setup(
+                        "cannot set up an HTTP client for the registry: TLS cannot be \
+                         initialised on this host (are CA certificates installed? Debian: \
+                         apt-get install ca-certificates)"
+                            .into(),
+                    )
+                })?;
                 Fetcher::Registry {
-                    client: Box::new(oci_client::Client::new(config)),
+                    client: Box::new(client),
                     reference: r.clone(),
                     auth,
                 }
@@ -161,7 +178,7 @@ impl Fetcher {
                 dir: dir.clone(),
                 tag: tag.clone(),
             },
-        }
+        })
     }
 
     /// The image manifest for linux/amd64, with its digest checked against

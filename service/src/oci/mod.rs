@@ -273,7 +273,7 @@ pub async fn pull(
             }
         }
     }
-    let fetcher = fetch::Fetcher::new(&source, opts.auth.clone());
+    let fetcher = fetch::Fetcher::new(&source, opts.auth.clone())?;
     let manifest = fetcher.manifest().await?;
     let bytes = manifest.layers.iter().map(|l| l.size).sum();
     progress(Progress::Resolved {
