@@ -75,8 +75,26 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
         .build()
         .unwrap();
 
+    // A registry on this host's loopback, forwarded into the lab.
+    common::oci::require_tools();
+    let reg = common::oci::Registry::start(&t.path().join("registry"));
+    let layout = common::oci::build_test_image(&t.path().join("layout"), "1", "hosted");
+    reg.push(&layout, "hosted-image:1");
+
     let t0 = Instant::now();
-    let h = Hosted::start(&lab, &data);
+    let h = Hosted::start_with(
+        &lab,
+        &data,
+        2048,
+        &[
+            "--max-execs-per-vm",
+            "7",
+            "--max-execs",
+            "77",
+            "--lab-registry",
+            &reg.addr,
+        ],
+    );
     eprintln!("[{:?}] the lab serves on {}", t0.elapsed(), h.base);
     let banner = h.banner.join("\n");
     assert!(banner.contains("latencies there are emulated"), "{banner}");
@@ -119,6 +137,36 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     let v = exec(&c, &h, &first, "python3", &["-c", "print(2**100)"]).await;
     assert_eq!(v["stdout"], "1267650600228229401496703205376\n", "{v}");
     assert_eq!(v["exitCode"], 0, "{v}");
+
+    // An OCI image from the host's registry: the lab's sproutd pulls it
+    // under the host's address (through the forward), converts it, and
+    // runs its entrypoint as the main process.
+    eprintln!("[{:?}] an image from the host's registry", t0.elapsed());
+    let before = reg.requests("/blobs/");
+    let image = format!("{}/hosted-image:1", reg.addr);
+    let v =
+        common::lab::schedule(&c, &h, json!({"image": image, "cpus": 1, "memoryMb": 256})).await;
+    assert_eq!(v["image"], format!("{image}@{}", layout.digest()), "{v}");
+    assert!(
+        reg.requests("/blobs/") > before,
+        "the layers came from the registry"
+    );
+    let oci_vm = v["vmId"].as_str().unwrap().to_owned();
+    let v = exec(
+        &c,
+        &h,
+        &oci_vm,
+        "/bin/sh",
+        &["-c", "i=0; until [ -s /tmp/entrypoint.out ] || [ $i -ge 120 ]; do sleep 1; i=$((i+1)); done; cat /tmp/entrypoint.out"],
+    )
+    .await;
+    assert_eq!(v["stdout"], "hello from /data as 1000:1000\n", "{v}");
+    let r = c
+        .delete(h.url(&format!("/v1/runtime/vms/{oci_vm}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
 
     // (The CLI and the SDK against the lab: tests/lab_clients.rs.)
     eprintln!("[{:?}] path escapes", t0.elapsed());

@@ -9,6 +9,7 @@
 mod common;
 use common::oci::*;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use sprout_tests::lab;
@@ -79,7 +80,7 @@ fn sproutd_runs_an_oci_image_with_its_entrypoint_as_the_main_process() {
         .arg("-C")
         .arg(dir.path())
         .arg("layout"));
-    let out = lab::Script::new(SPROUTD_SCRIPT)
+    let out = lab::Script::new(format!("{DAEMON_START}{SPROUTD_SCRIPT}"))
         .file(&tar)
         .timeout(std::time::Duration::from_secs(1500))
         .run();
@@ -138,22 +139,12 @@ fn sproutd_runs_an_oci_image_with_its_entrypoint_as_the_main_process() {
 }
 
 const SPROUTD_SCRIPT: &str = r#"
-ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
 mkdir -p /tmp/img && tar -xf /lab/layout.tar -C /tmp/img
-sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
-daemon=$!
-i=0
-until sprout api GET /v1/health >/dev/null 2>&1; do
-  i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
-  sleep 0.1
-done
-api() { sprout api "$@" 2>/dev/null; }
 ref=oci:/tmp/img/layout:1
 # The first create pulls the image and builds its template (the CLI waits
 # through image_pulling and template_building), then restores it.
 out=$(sprout create --image $ref --cpus 1 --memory 256 --json 2>/tmp/create.err | tr -d '\n')
 echo "created: $out"
-vm_id() { echo "$1" | sed -n 's/.*"vmId": *"\([^"]*\)".*/\1/p'; }
 id=$(vm_id "$out")
 [ -n "$id" ] || { echo "create failed: $(cat /tmp/create.err)"; cat /tmp/sd.log; exit 11; }
 x=/v1/runtime/vms/$id/exec
@@ -178,7 +169,9 @@ echo "daemon-exit: $?"
 /// booted in the lab with each runtime. `container`: the image's cmd runs
 /// as the main process and python3 answers. `vm`: systemd is PID 1, boots
 /// to `running` or `degraded`, runs the agent as its service (exec works),
-/// and the image's cmd is not started.
+/// and the image's cmd is not started. Then `sproutd` in the lab makes a
+/// sandbox of it with `"runtime": "vm"` (its template built and restored)
+/// and runs a command beside systemd.
 #[test]
 fn a_debian_image_from_a_registry_runs_python_as_a_container_and_boots_systemd_as_a_vm() {
     require_tools();
@@ -187,10 +180,13 @@ fn a_debian_image_from_a_registry_runs_python_as_a_container_and_boots_systemd_a
     let reg = Registry::start(dir.path());
     reg.push_image(&image, "pytest-image:1");
     let reference = format!("{}/pytest-image:1", reg.addr);
-    let path = pulled_image(&dir.path().join("cache"), &reference);
-    let run = lab::Script::new(DEBIAN_SCRIPT)
+    let cache = dir.path().join("cache");
+    let path = pulled_image(&cache, &reference);
+    let seed = seed_for_lab(dir.path(), &cache, &image);
+    let run = lab::Script::new(format!("{DEBIAN_SCRIPT}{DAEMON_START}{DEBIAN_SPROUTD}"))
         .file(&path)
-        .timeout(std::time::Duration::from_secs(1500))
+        .file(&seed)
+        .timeout(std::time::Duration::from_secs(1800))
         .run();
     run.assert_success();
     let o = &run.stdout;
@@ -209,7 +205,136 @@ fn a_debian_image_from_a_registry_runs_python_as_a_container_and_boots_systemd_a
     assert_eq!(one("vm-agent:"), "active", "{o}");
     assert_eq!(one("vm-main:"), "absent", "{o}");
     assert_eq!(one("vm-status:"), "0", "{o}");
+    // sproutd with the vm runtime.
+    let json = |k: &str| -> serde_json::Value {
+        serde_json::from_str(&one(k)).unwrap_or_else(|e| panic!("{k}: {e}\n{o}"))
+    };
+    let created = json("sd-created:");
+    // The seeded image, listed by the reference it was first pulled by (the
+    // registry's, on the host) pinned to the digest the create resolved.
+    let digest = created["image"]
+        .as_str()
+        .unwrap()
+        .rsplit_once('@')
+        .unwrap_or_else(|| panic!("the image is pinned: {o}"))
+        .1
+        .to_owned();
+    let info = json("sd-info:");
+    let img = info["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"].as_str().unwrap().ends_with(&format!("@{digest}")))
+        .unwrap_or_else(|| panic!("the seeded image is listed: {o}"));
+    assert_eq!(
+        img["runtimes"],
+        serde_json::json!(["container", "vm"]),
+        "{o}"
+    );
+    assert!(
+        created["image"]
+            .as_str()
+            .unwrap()
+            .starts_with("oci:/tmp/seed/layout:1@sha256:"),
+        "{o}"
+    );
+    assert_eq!(created["runtime"], "vm", "{o}");
+    assert_eq!(created["state"], "running", "{o}");
+    assert!(created["snapshotId"].is_string(), "from its template: {o}");
+    let exec = json("sd-exec:");
+    assert_eq!(exec["exitCode"], 0, "{o}");
+    let words: Vec<&str> = exec["stdout"]
+        .as_str()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert!(
+        matches!(words.as_slice(), [state, "systemd", "active"] if *state == "running" || *state == "degraded"),
+        "{o}"
+    );
+    let templates = json("sd-templates:");
+    let t = &templates["templates"][0];
+    assert_eq!(t["runtime"], "vm", "{o}");
+    assert_eq!(t["state"], "ready", "{o}");
+    assert_eq!(json("sd-get:")["runtime"], "vm", "{o}");
+    assert_eq!(one("sd-deleted:"), "true", "{o}");
+    assert_eq!(one("daemon-exit:"), "0", "{o}");
 }
+
+/// What the lab's `sproutd` needs to find the Debian image in its OCI cache
+/// without converting it again under emulation: the host's cache entry for
+/// `oci:LAYOUT:1`'s digest (its `image.json`, which names the reference the
+/// digest was first pulled by, the registry's; the test hands the base image itself
+/// in beside it) and the layout without its layer blobs (a tag resolves to
+/// a digest from the index and manifest alone). The lab's Sprout files
+/// (agent, busybox, init) are this host's, so its cache key is the same.
+fn seed_for_lab(dir: &Path, cache: &Path, image: &str) -> PathBuf {
+    let layout_ref = format!("oci:{image}");
+    let entry = pulled_image(cache, &layout_ref)
+        .parent()
+        .unwrap()
+        .to_owned();
+    let stage = dir.join("seed");
+    let to = stage.join("entry").join(entry.file_name().unwrap());
+    std::fs::create_dir_all(&to).unwrap();
+    std::fs::copy(entry.join("image.json"), to.join("image.json")).unwrap();
+    let layout = Path::new(image.rsplit_once(':').unwrap().0);
+    let blobs = stage.join("layout/blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    for f in ["index.json", "oci-layout"] {
+        std::fs::copy(layout.join(f), stage.join("layout").join(f)).unwrap();
+    }
+    for b in std::fs::read_dir(layout.join("blobs/sha256")).unwrap() {
+        let b = b.unwrap();
+        if b.metadata().unwrap().len() < 1 << 20 {
+            std::fs::copy(b.path(), blobs.join(b.file_name())).unwrap();
+        }
+    }
+    let tar = dir.join("seed.tar");
+    run(Command::new("tar")
+        .arg("-cf")
+        .arg(&tar)
+        .arg("-C")
+        .arg(&stage)
+        .args(["entry", "layout"]));
+    tar
+}
+
+/// Starts `sproutd` in the lab on 127.0.0.1:7070 (its output in
+/// /tmp/sd.log) and waits until it answers; `api` calls it.
+const DAEMON_START: &str = r#"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >>/tmp/sd.out 2>>/tmp/sd.log &
+daemon=$!
+i=0
+until sprout api GET /v1/health >/dev/null 2>&1; do
+  i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
+  sleep 0.1
+done
+api() { sprout api "$@" 2>/dev/null; }
+vm_id() { echo "$1" | sed -n 's/.*"vmId": *"\([^"]*\)".*/\1/p'; }
+"#;
+
+/// The Debian image in the lab's sproutd with the vm runtime: its cache
+/// seeded (seed_for_lab), a create builds the (image, vm) template and
+/// restores it, and a command runs beside systemd.
+const DEBIAN_SPROUTD: &str = r#"
+mkdir -p /tmp/seed /opt/sprout/oci/images && tar -xf /lab/seed.tar -C /tmp/seed
+e=$(ls /tmp/seed/entry)
+mv /tmp/seed/entry/$e /opt/sprout/oci/images/$e
+ln -s /lab/rootfs.ext4 /opt/sprout/oci/images/$e/rootfs.ext4
+echo "sd-info: $(api GET /v1/info)"
+out=$(sprout create --image oci:/tmp/seed/layout:1 --runtime vm --cpus 1 --memory 512 --json 2>/tmp/create.err | tr -d '\n')
+echo "sd-created: $out"
+id=$(vm_id "$out")
+[ -n "$id" ] || { echo "create failed: $(cat /tmp/create.err)"; tail -50 /tmp/sd.log; exit 11; }
+echo "sd-exec: $(api POST /v1/runtime/vms/$id/exec '{"command":"/bin/sh","argv":["-c","echo $(systemctl is-system-running --wait) $(cat /proc/1/comm) $(systemctl is-active sprout-agent)"]}')"
+echo "sd-templates: $(api GET /v1/runtime/templates)"
+echo "sd-get: $(api GET /v1/runtime/vms/$id)"
+api DELETE /v1/runtime/vms/$id | sed -n 's/.*"deleted":\([a-z]*\).*/sd-deleted: \1/p'
+kill $daemon; wait $daemon
+echo "daemon-exit: $?"
+"#;
 
 const DEBIAN_SCRIPT: &str = r#"
 sprout vm run --image /lab/rootfs.ext4 --memory-mib 512 --exec '
