@@ -29,6 +29,10 @@ use vmm::{ConsoleBuffer, DiskConfig, ExitReason, SerialOutput, Vm, VmConfig, Vso
 /// environment variable (the kernel hands unknown `key=value` words to init).
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet reboot=k panic=-1 pci=off \
      root=/dev/vda ro rootfstype=ext4 init=/sbin/sprout-init RUST_LOG=warn";
+/// What the `vm` runtime adds to the command line: sprout-init execs the
+/// image's own init (systemd) instead of the agent, which that init starts
+/// as a service.
+pub const VM_RUNTIME_CMDLINE: &str = "sprout.init=/sbin/init";
 /// The guest CID of the VM's vsock device.
 pub const GUEST_CID: u64 = 3;
 /// How long to wait for the agent unless `SPROUT_BOOT_TIMEOUT` (seconds) says otherwise.

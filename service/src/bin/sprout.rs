@@ -304,8 +304,7 @@ impl RunArgs {
             memory_mib: self.memory_mib,
             cmdline: match self.runtime {
                 Runtime::Container => self.cmdline,
-                // sprout-init execs the image's init instead of the agent.
-                Runtime::Vm => format!("sprout.init=/sbin/init {}", self.cmdline),
+                Runtime::Vm => format!("{} {}", service::linux::VM_RUNTIME_CMDLINE, self.cmdline),
             },
             job: self.job.into_job(),
             vsock_uds: self.vsock_uds,

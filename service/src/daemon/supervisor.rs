@@ -180,11 +180,9 @@ impl Supervisor {
                 vsock_uds: Some(vsock.uds_path),
                 cpus: s.cpus,
                 memory_mib: u64::from(s.memory_mb),
-                // sprout-init execs the image's own init instead of the
-                // agent, which that init starts as a service.
                 cmdline: match s.runtime {
                     Runtime::Container => String::new(),
-                    Runtime::Vm => "sprout.init=/sbin/init".into(),
+                    Runtime::Vm => linux::VM_RUNTIME_CMDLINE.into(),
                 },
                 ..LinuxRun::new()
             };
