@@ -24,6 +24,7 @@ pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicB
 pub mod block;
 pub(crate) mod chain;
 pub mod mmio;
+mod multi_queue;
 pub mod net;
 pub mod rng;
 mod single_queue;

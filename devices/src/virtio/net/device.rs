@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::tap::{Tap, TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN};
 use super::{NetError, HDR_SIZE, MAX_PACKET, QUEUE_SIZE};
 use crate::virtio::chain::{self, Table};
+use crate::virtio::multi_queue::{self, Active};
 use crate::virtio::{
     ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_VRING,
     MAX_CHAINS_PER_DISPATCH, TYPE_NET, VIRTIO_F_VERSION_1,
@@ -55,11 +56,6 @@ pub struct NetStats {
     pub rx_dropped: u64,
     /// Receive chains that broke the rules (returned with length 0).
     pub rx_bad_chains: u64,
-}
-
-struct Active {
-    mem: GuestMemoryMmap,
-    queues: Vec<Queue>,
 }
 
 /// A virtio-net device whose wire is a TAP interface.
@@ -170,34 +166,13 @@ impl Net {
     /// Whether queue `i` can be used now; a broken one marks the device as
     /// needing a reset.
     fn queue_usable(&mut self, i: usize) -> bool {
-        let Some(a) = self.active.as_mut() else {
-            return false;
-        };
-        match a.queues[i].iter(&a.mem) {
-            Ok(_) => true,
-            Err(virtio_queue::Error::QueueNotReady) => false,
-            Err(e) => {
-                warn!("virtio-net: queue {i} is broken: {e}");
-                self.needs_reset = true;
-                false
-            }
-        }
+        multi_queue::queue_usable(self.active.as_mut(), i, &mut self.needs_reset, "virtio-net")
     }
 
     /// Marks `head` of queue `i` used; true if the driver wants an interrupt.
     fn add_used(&mut self, i: usize, head: u16, len: u32) -> bool {
-        let Some(a) = self.active.as_mut() else {
-            return false;
-        };
-        let q = &mut a.queues[i];
-        match q.add_used(&a.mem, head, len) {
-            Ok(()) => q.needs_notification(&a.mem).unwrap_or(true),
-            Err(e) => {
-                warn!("virtio-net: queue {i} is broken: {e}");
-                self.needs_reset = true;
-                false
-            }
-        }
+        let a = self.active.as_mut();
+        multi_queue::add_used(a, i, (head, len), &mut self.needs_reset, "virtio-net")
     }
 
     /// Sends what the driver queued to the TAP; true if an interrupt is due.

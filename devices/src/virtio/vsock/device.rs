@@ -15,6 +15,7 @@ use super::muxer::Muxer;
 use super::packet::{self, WritableChain, EVENT_TRANSPORT_RESET, HDR_SIZE};
 use super::{VsockError, MAX_PKT_DATA, QUEUE_SIZE};
 use crate::virtio::chain::Table;
+use crate::virtio::multi_queue::{self, Active};
 use crate::virtio::{
     ActivateError, GuestMemoryMmap, Interrupt, VirtioDevice, VirtioDeviceState, INT_VRING,
     MAX_CHAINS_PER_DISPATCH, TYPE_VSOCK, VIRTIO_F_VERSION_1,
@@ -31,11 +32,6 @@ const TICK: Duration = Duration::from_millis(250);
 /// Longest wait for the guest to handle a transport reset before host
 /// connects go through anyway.
 pub const RESET_ACK_TIMEOUT: Duration = Duration::from_secs(5);
-
-struct Active {
-    mem: GuestMemoryMmap,
-    queues: Vec<Queue>,
-}
 
 /// A virtio-vsock device (id 19) whose host side is the Unix socket `uds_path`.
 ///
@@ -200,34 +196,13 @@ impl Vsock {
     /// Checks that queue `i` can be used: false if it is not set up; a broken one
     /// marks the device as needing a reset.
     fn queue_usable(&mut self, i: usize) -> bool {
-        let Some(a) = self.active.as_mut() else {
-            return false;
-        };
-        match a.queues[i].iter(&a.mem) {
-            Ok(_) => true,
-            Err(virtio_queue::Error::QueueNotReady) => false,
-            Err(e) => {
-                warn!("vsock: queue {i} is broken: {e}");
-                self.needs_reset = true;
-                false
-            }
-        }
+        multi_queue::queue_usable(self.active.as_mut(), i, &mut self.needs_reset, "vsock")
     }
 
     /// Marks `head` of queue `i` used; true if the driver wants an interrupt.
     fn add_used(&mut self, i: usize, head: u16, len: u32) -> bool {
-        let Some(a) = self.active.as_mut() else {
-            return false;
-        };
-        let q = &mut a.queues[i];
-        match q.add_used(&a.mem, head, len) {
-            Ok(()) => q.needs_notification(&a.mem).unwrap_or(true),
-            Err(e) => {
-                warn!("vsock: queue {i} is broken: {e}");
-                self.needs_reset = true;
-                false
-            }
-        }
+        let a = self.active.as_mut();
+        multi_queue::add_used(a, i, (head, len), &mut self.needs_reset, "vsock")
     }
 
     /// Handles the packets the driver sent; true if an interrupt is due.
