@@ -75,6 +75,13 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.inner
     }
 
+    /// The stream and the bytes already read from it past the last frame returned
+    /// (for a connection that stops carrying frames, as after `PortConnect`).
+    pub fn into_parts(self) -> (R, Vec<u8>) {
+        let rest = self.buf[self.start..self.end].to_vec();
+        (self.inner, rest)
+    }
+
     /// The next frame, or `None` at a clean end of stream (between frames).
     ///
     /// Cancel-safe: dropping the future loses no bytes, the next call goes on where the

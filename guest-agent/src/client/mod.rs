@@ -30,6 +30,7 @@
 
 mod exec;
 mod files;
+mod ports;
 mod procs;
 
 use std::io;
@@ -44,6 +45,7 @@ use tokio::time::timeout;
 
 pub use exec::{ExecEvent, ExecOutput, ExecSession, ExecStdin};
 pub use files::{FileReader, WriteOptions};
+pub use ports::PortStream;
 pub use procs::{ProcCollected, ProcEvent, ProcStream};
 
 use crate::protocol::{

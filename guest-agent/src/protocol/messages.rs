@@ -198,6 +198,16 @@ pub struct Identity {
     pub hostname: Option<String>,
 }
 
+/// Opens a TCP connection to `port` on the guest's loopback (127.0.0.1, then ::1);
+/// answered by [`Done`], after which the connection carries that TCP stream's bytes
+/// both ways, unframed, until either side closes. Refused with `Refused` when nothing
+/// listens there. An agent older than this request answers `UnknownKind`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortConnect {
+    /// 1 to 65535.
+    pub port: u16,
+}
+
 // ---------------------------------------------------------------- answers and events
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -245,6 +255,8 @@ pub enum ErrorCode {
     Internal,
     /// The stdin of a background process is closed (or was never a stream).
     StdinClosed,
+    /// Nothing accepted a [`PortConnect`]'s connection.
+    Refused,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -508,6 +520,7 @@ messages! {
     Remove = 0x0117,
     Rename = 0x0118,
     Identity = 0x0120,
+    PortConnect = 0x0130,
     Pong = 0x0201,
     ErrorMsg = 0x0202,
     Done = 0x0203,

@@ -10,6 +10,7 @@
 
 mod exec;
 mod files;
+mod ports;
 mod procs;
 mod ring;
 
@@ -232,6 +233,28 @@ impl Server {
             let next = reader.lock().await.next_or_eof().await;
             let result = match next {
                 Ok(None) => return,
+                Ok(Some(protocol::Frame {
+                    request_id,
+                    msg: Message::PortConnect(req),
+                })) => match ports::connect(req.port).await {
+                    Ok(tcp) => {
+                        if write_frame(&mut w, request_id, &protocol::Done {}.into())
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                        // Nothing else holds the reader between requests.
+                        let Ok(reader) = Arc::try_unwrap(reader) else {
+                            error!("a port connection's reader is still shared");
+                            return;
+                        };
+                        let (r, rest) = reader.into_inner().into_parts();
+                        ports::splice(r, w, rest, tcp, req.port).await;
+                        return;
+                    }
+                    Err(e) => reply_error(&mut w, request_id, e.code, e.message).await,
+                },
                 Ok(Some(frame)) => self.dispatch(&reader, &mut w, frame).await,
                 Err(WireError::BadFrame { request_id, source }) => {
                     let code = match source {
