@@ -53,6 +53,8 @@ async fn send(c: &Client, d: &Daemon, method: &str, path: &str, query: &str) -> 
         json!({"signal": "TERM"})
     } else if path.ends_with("/stdin") {
         json!({"data": "x"})
+    } else if path.ends_with("/ports") {
+        json!({"port": 8000})
     } else {
         json!({})
     };
@@ -181,7 +183,11 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
                 vm.clone()
             };
             let unknown = uuid_like();
-            let fill = |id: &str| path.replace("{id}", id).replace("{execId}", "1");
+            let fill = |id: &str| {
+                path.replace("{id}", id)
+                    .replace("{execId}", "1")
+                    .replace("{port}", "8000")
+            };
             let query = if opn["parameters"]
                 .as_array()
                 .is_some_and(|ps| ps.iter().any(|p| p["name"] == "path"))
@@ -208,6 +214,7 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
         }
     }
     assert!(tried >= 25, "only {tried} routes with ids");
+    ports_need_the_owners_key_unless_public(&d, &a, &b, &ka, &kb, &vm).await;
 
     // A schedule from A's snapshot, as B: the snapshot is unknown to B.
     let r = post(&b, &d, "/v1/runtime/schedule", json!({"snapshot": snap})).await;
@@ -277,6 +284,109 @@ async fn another_tenants_ids_are_answered_as_unknown_ones_on_every_route() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(get(&b, &d, "/v1/info").await["tenant"]["name"], "b");
+}
+
+/// A port's URL (docs/api.md, "Ports"): without a key 401, with another
+/// tenant's 404 as if closed, with the owner's past the gate (to the
+/// test guest's `not_supported`: it has no agent); a public one needs no
+/// key; a closed one is 404.
+async fn ports_need_the_owners_key_unless_public(
+    d: &Daemon,
+    a: &Client,
+    b: &Client,
+    ka: &str,
+    kb: &str,
+    vm: &str,
+) {
+    let path = format!("/v1/runtime/vms/{vm}/ports");
+    let open = |port: u16, public: bool| ok(a, d, &path, json!({"port": port, "public": public}));
+    let p = open(8000, false).await;
+    let host = format!("8000-{vm}.localhost:{}", d.base.rsplit(':').next().unwrap());
+    assert_eq!(p["url"], format!("http://{host}/"), "{p}");
+    assert_eq!(p["public"], false, "{p}");
+    let anon = Client::new();
+    let to = |host: &str, key: Option<(&str, &str)>| {
+        let mut r = anon.get(d.url("/some/page?q=1")).header("host", host);
+        if let Some((h, k)) = key {
+            r = r.header(h, k);
+        }
+        r.send()
+    };
+    let r = to(&host, None).await.unwrap();
+    assert_eq!(r.headers()["www-authenticate"], "Bearer realm=\"sproutd\"");
+    assert_error(r, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let r = to(&host, Some(("x-api-key", kb))).await.unwrap();
+    let m = assert_error(r, StatusCode::NOT_FOUND, "port_not_open").await;
+    assert!(m.contains("8000") && m.contains(vm), "{m}");
+    let bearer = format!("Bearer {ka}");
+    for key in [("x-api-key", ka), ("authorization", bearer.as_str())] {
+        let r = to(&host, Some(key)).await.unwrap();
+        assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    }
+    let other = format!("8001-{vm}.localhost");
+    let r = to(&other, Some(("x-api-key", ka))).await.unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "port_not_open").await;
+    // B can neither list nor close A's.
+    let r = b
+        .get(d.url(&format!("/v1/runtime/vms/{vm}/ports")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "vm_not_found").await;
+
+    open(8001, true).await;
+    let r = to(&other, None).await.unwrap();
+    assert_error(r, StatusCode::BAD_REQUEST, "not_supported").await;
+    let l = get(a, d, &format!("/v1/runtime/vms/{vm}/ports")).await;
+    let ports: Vec<(u64, bool)> = l["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["port"].as_u64().unwrap(), p["public"].as_bool().unwrap()))
+        .collect();
+    assert_eq!(ports, [(8000, false), (8001, true)], "{l}");
+    // Bad ports, and a 33rd.
+    for port in [json!(0), json!(65536), json!(-1), json!("80")] {
+        let (st, v) = op(
+            a,
+            d,
+            &format!("/v1/runtime/vms/{vm}/ports"),
+            json!({"port": port}),
+        )
+        .await;
+        assert_eq!(st, 400, "{port}: {v}");
+    }
+    for port in 9000..9030 {
+        open(port, false).await;
+    }
+    let (st, v) = op(
+        a,
+        d,
+        &format!("/v1/runtime/vms/{vm}/ports"),
+        json!({"port": 9999}),
+    )
+    .await;
+    assert_eq!(
+        (st.as_u16(), &v["error"]["code"]),
+        (409, &json!("too_many_ports")),
+        "{v}"
+    );
+    for port in [8000, 8001] {
+        let r = a
+            .delete(d.url(&format!("/v1/runtime/vms/{vm}/ports/{port}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 204);
+    }
+    let r = to(&other, None).await.unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "port_not_open").await;
+    let r = a
+        .delete(d.url(&format!("/v1/runtime/vms/{vm}/ports/8000")))
+        .send()
+        .await
+        .unwrap();
+    assert_error(r, StatusCode::NOT_FOUND, "port_not_open").await;
 }
 
 fn uuid_like() -> String {

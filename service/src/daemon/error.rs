@@ -120,6 +120,12 @@ pub enum Code {
     NotText,
     /// Any other refusal of a file operation by the agent.
     FileError,
+    /// The sandbox has not opened this port (`POST /vms/{id}/ports`).
+    PortNotOpen,
+    /// Nothing in the sandbox accepts connections on the port.
+    PortNotListening,
+    /// The sandbox has as many open ports as it may.
+    TooManyPorts,
     Internal,
 }
 
@@ -154,11 +160,14 @@ impl Code {
             | Self::VmNotFound
             | Self::ProcessNotFound
             | Self::SnapshotNotFound
-            | Self::CheckpointNotFound => StatusCode::NOT_FOUND,
+            | Self::CheckpointNotFound
+            | Self::PortNotOpen => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::InvalidState | Self::Paused | Self::TooManyCheckpoints | Self::StdinClosed => {
-                StatusCode::CONFLICT
-            }
+            Self::InvalidState
+            | Self::Paused
+            | Self::TooManyCheckpoints
+            | Self::TooManyPorts
+            | Self::StdinClosed => StatusCode::CONFLICT,
             Self::HostUnsupported | Self::TemplateBuilding | Self::ImagePulling => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -168,6 +177,7 @@ impl Code {
             | Self::RegistryError
             | Self::ImageCorrupt
             | Self::AgentUnavailable
+            | Self::PortNotListening
             | Self::WorkerFailed
             | Self::SnapshotFailed
             | Self::StoreFailed => StatusCode::BAD_GATEWAY,
@@ -176,7 +186,7 @@ impl Code {
     }
 
     /// Every code, in the order docs/api.md lists them.
-    pub const ALL: [Code; 50] = [
+    pub const ALL: [Code; 53] = [
         Self::BadRequest,
         Self::InvalidJson,
         Self::InvalidBody,
@@ -197,10 +207,12 @@ impl Code {
         Self::VmNotFound,
         Self::SnapshotNotFound,
         Self::CheckpointNotFound,
+        Self::PortNotOpen,
         Self::MethodNotAllowed,
         Self::InvalidState,
         Self::Paused,
         Self::TooManyCheckpoints,
+        Self::TooManyPorts,
         Self::StdinClosed,
         Self::FileConflict,
         Self::PermissionDenied,
@@ -211,6 +223,7 @@ impl Code {
         Self::Internal,
         Self::BootFailed,
         Self::AgentUnavailable,
+        Self::PortNotListening,
         Self::WorkerFailed,
         Self::SnapshotFailed,
         Self::StoreFailed,
@@ -263,6 +276,9 @@ impl Code {
             Self::Paused => "The sandbox is paused by an operator: resume it first (exec, file and process calls never wake it)",
             Self::SnapshotNotFound => "No snapshot has this id",
             Self::CheckpointNotFound => "No checkpoint has this id",
+            Self::PortNotOpen => "The sandbox has not opened this port: POST /v1/runtime/vms/{id}/ports first",
+            Self::PortNotListening => "Nothing in the sandbox accepts connections on the port (yet)",
+            Self::TooManyPorts => "The sandbox has 32 open ports: close one first",
             Self::TooManyCheckpoints => "The sandbox has 10 checkpoints: delete one first",
             Self::SnapshotFailed => "A snapshot could not be written, or a VM restored from one (the message says why)",
             Self::StoreFailed => "The object store failed or refused what an archive or unarchive needed (the message says why)",

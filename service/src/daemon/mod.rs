@@ -23,6 +23,7 @@ mod mirror;
 mod oci_images;
 pub mod openapi;
 mod pool;
+mod ports;
 mod procs;
 pub mod registry;
 mod rest;

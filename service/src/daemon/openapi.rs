@@ -66,6 +66,7 @@ is answered `429 too_many_requests` with `Retry-After` (seconds) at once.";
         (name = "files", description = "Files under /workspace in a sandbox"),
         (name = "rest states", description = "Pause, resume, sleep, hibernate, wake, reboot, snapshot and fork a sandbox; snapshots"),
         (name = "checkpoints", description = "Named snapshots of a sandbox: take, list, restore in place, spawn, delete"),
+        (name = "ports", description = "A sandbox's TCP ports served over HTTP at URLs of their own"),
     )
 )]
 pub struct ApiDoc;
@@ -438,7 +439,7 @@ pub mod tests {
         let ops = operations(&doc);
         assert_eq!(
             ops.len(),
-            39,
+            42,
             "{:?}",
             ops.iter().map(|o| (&o.0, &o.1)).collect::<Vec<_>>()
         );
@@ -522,9 +523,14 @@ pub mod tests {
                 listed.contains(&c.name().as_str()),
                 "{c:?} not in ErrorCode"
             );
-            let by_router = matches!(c, Code::NotFound | Code::MethodNotAllowed);
+            // The router's own, and a port's URL's (no operation of the
+            // document: docs/api.md, "Ports").
+            let elsewhere = matches!(
+                c,
+                Code::NotFound | Code::MethodNotAllowed | Code::PortNotListening
+            );
             assert!(
-                seen.contains(&c.name()) || by_router,
+                seen.contains(&c.name()) || elsewhere,
                 "no operation answers {c:?}"
             );
         }

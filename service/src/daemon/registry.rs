@@ -141,6 +141,16 @@ const MIGRATIONS: &[&str] = &[
     DROP TABLE templates;
     ALTER TABLE templates_v5 RENAME TO templates;
     "#,
+    // 6: ports a sandbox exposes through sproutd (`POST /vms/{id}/ports`).
+    r#"
+    CREATE TABLE ports (
+        vm_id       TEXT NOT NULL,
+        port        INTEGER NOT NULL CHECK (port BETWEEN 1 AND 65535),
+        public      INTEGER NOT NULL,
+        created_ms  INTEGER NOT NULL,
+        PRIMARY KEY (vm_id, port)
+    );
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -151,6 +161,31 @@ pub enum RegistryError {
     TooNew(PathBuf, u32, u32),
     #[error("The registry holds a bad row: {0}")]
     BadRow(String),
+}
+
+/// A port a sandbox exposes through sproutd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortRow {
+    pub vm_id: Uuid,
+    pub port: u16,
+    /// Reachable without the tenant's key.
+    pub public: bool,
+    pub created_ms: u64,
+}
+
+fn row_port(r: &Row<'_>) -> rusqlite::Result<Result<PortRow, RegistryError>> {
+    let vm: String = r.get(0)?;
+    let port: u16 = r.get(1)?;
+    let public: bool = r.get(2)?;
+    let created: i64 = r.get(3)?;
+    Ok(Uuid::parse_str(&vm)
+        .map(|vm_id| PortRow {
+            vm_id,
+            port,
+            public,
+            created_ms: created as u64,
+        })
+        .map_err(|_| RegistryError::BadRow(format!("port of {vm:?}: not a sandbox id"))))
 }
 
 /// A sandbox's state (DESIGN.md's rest states; the transitions between them
@@ -984,12 +1019,74 @@ impl Registry {
         )
     }
 
-    /// Removes a sandbox's record; false if there was none.
+    /// Removes a sandbox's record, and its ports; false if there was none.
     pub fn delete_sandbox(&self, id: Uuid) -> Result<bool, RegistryError> {
+        self.conn
+            .execute("DELETE FROM ports WHERE vm_id = ?1", [id.to_string()])?;
         Ok(self
             .conn
             .execute("DELETE FROM sandboxes WHERE id = ?1", [id.to_string()])?
             == 1)
+    }
+
+    /// Records (or, open already, updates) port `p.port` of `p.vm_id`;
+    /// refused past `max` ports for the sandbox. The row as recorded.
+    pub fn put_port(&mut self, p: &PortRow, max: usize) -> Result<Option<PortRow>, RegistryError> {
+        let tx = self.conn.transaction()?;
+        let vm = p.vm_id.to_string();
+        let open: i64 = tx.query_row(
+            "SELECT COUNT(*) FROM ports WHERE vm_id = ?1 AND port != ?2",
+            params![vm, p.port],
+            |r| r.get(0),
+        )?;
+        if open as usize >= max {
+            return Ok(None);
+        }
+        tx.execute(
+            "INSERT INTO ports (vm_id, port, public, created_ms) VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT (vm_id, port) DO UPDATE SET public = excluded.public",
+            params![vm, p.port, p.public, p.created_ms as i64],
+        )?;
+        let row = tx.query_row(
+            "SELECT vm_id, port, public, created_ms FROM ports WHERE vm_id = ?1 AND port = ?2",
+            params![vm, p.port],
+            row_port,
+        )??;
+        tx.commit()?;
+        Ok(Some(row))
+    }
+
+    /// Port `port` of sandbox `vm`, if open.
+    pub fn get_port(&self, vm: Uuid, port: u16) -> Result<Option<PortRow>, RegistryError> {
+        self.conn
+            .query_row(
+                "SELECT vm_id, port, public, created_ms FROM ports WHERE vm_id = ?1 AND port = ?2",
+                params![vm.to_string(), port],
+                row_port,
+            )
+            .optional()?
+            .transpose()
+    }
+
+    /// The open ports of sandbox `vm`, by number.
+    pub fn list_ports(&self, vm: Uuid) -> Result<Vec<PortRow>, RegistryError> {
+        let mut st = self.conn.prepare(
+            "SELECT vm_id, port, public, created_ms FROM ports WHERE vm_id = ?1 ORDER BY port",
+        )?;
+        let rows = st.query_map([vm.to_string()], row_port)?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(r??);
+        }
+        Ok(out)
+    }
+
+    /// Closes port `port` of `vm`; false if it was not open.
+    pub fn delete_port(&self, vm: Uuid, port: u16) -> Result<bool, RegistryError> {
+        Ok(self.conn.execute(
+            "DELETE FROM ports WHERE vm_id = ?1 AND port = ?2",
+            params![vm.to_string(), port],
+        )? == 1)
     }
 
     /// Replaces the image list with `images` (what is on disk now).

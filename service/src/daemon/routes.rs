@@ -70,6 +70,8 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
         .routes(routes!(rest::delete_checkpoint))
         .routes(routes!(rest::list_snapshots))
         .routes(routes!(rest::get_snapshot, rest::delete_snapshot))
+        .routes(routes!(super::ports::open, super::ports::list))
+        .routes(routes!(super::ports::close))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(tower_http::limit::RequestBodyLimitLayer::new(MAX_BODY));
     let raw = OpenApiRouter::new().routes(routes!(files::get_raw, files::put_raw));
@@ -78,6 +80,7 @@ pub fn api() -> OpenApiRouter<Arc<App>> {
 
 pub fn router(app: Arc<App>, limits: &ExecLimitArgs) -> Router {
     let (api, _) = api().split_for_parts();
+    let ports = axum::middleware::from_fn_with_state(app.clone(), super::ports::proxy);
     api.merge(super::dashboard::router())
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(
@@ -89,6 +92,8 @@ pub fn router(app: Arc<App>, limits: &ExecLimitArgs) -> Router {
         .layer(axum::Extension(ExecLimits::new(limits)))
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .layer(axum::middleware::map_response(envelope))
+        // Outside the envelope: a guest's own error answers pass untouched.
+        .layer(ports)
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
             let id = req

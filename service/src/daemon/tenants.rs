@@ -210,7 +210,7 @@ impl Tenants {
     }
 
     /// The caller that `key` names, or why not.
-    fn caller(&self, key: Option<&str>) -> Result<(Caller, Option<String>), ApiError> {
+    pub(super) fn caller(&self, key: Option<&str>) -> Result<(Caller, Option<String>), ApiError> {
         if !self.multi() {
             return Ok((Caller(self.single.clone()), None));
         }
