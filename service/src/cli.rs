@@ -82,6 +82,32 @@ pub enum SandboxCmd {
     Attach(AttachArgs),
     /// Send a signal to a background process (its whole process group).
     Kill(KillArgs),
+    /// A sandbox's TCP ports, served by sproutd over HTTP at URLs of their own.
+    #[command(subcommand)]
+    Ports(PortsCmd),
+}
+
+#[derive(Subcommand)]
+pub enum PortsCmd {
+    /// Serve a guest port; prints its URL.
+    Open {
+        /// The sandbox.
+        id: String,
+        /// The guest's TCP port (on its loopback).
+        port: u16,
+        /// Reachable without an API key.
+        #[arg(long)]
+        public: bool,
+    },
+    /// List a sandbox's open ports.
+    Ls(Id),
+    /// Stop serving a port.
+    Close {
+        /// The sandbox.
+        id: String,
+        /// The port.
+        port: u16,
+    },
 }
 
 #[derive(Args)]
@@ -558,6 +584,36 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
                 )
             })
         }
+        SandboxCmd::Ports(c) => match c {
+            PortsCmd::Open { id, port, public } => {
+                let v = api.call(
+                    "POST",
+                    &format!("{vms}/{}/ports", seg(&id)?),
+                    Some(json!({ "port": port, "public": public })),
+                )?;
+                show(&v, |v| format!("{}\n", str_of(&v["url"])))
+            }
+            PortsCmd::Ls(a) => {
+                let v = api.call("GET", &format!("{vms}/{}/ports", seg(&a.id)?), None)?;
+                show(&v, |v| {
+                    let rows = v["ports"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|p| {
+                            let public = if p["public"] == true { "yes" } else { "no" };
+                            vec![str_of(&p["port"]), public.to_owned(), str_of(&p["url"])]
+                        })
+                        .collect();
+                    table(&["PORT", "PUBLIC", "URL"], rows)
+                })
+            }
+            PortsCmd::Close { id, port } => {
+                api.call("DELETE", &format!("{vms}/{}/ports/{port}", seg(&id)?), None)?;
+                let v = json!({ "vmId": id, "port": port, "closed": true });
+                show(&v, |_| "closed\n".to_owned())
+            }
+        },
         SandboxCmd::Checkpoint(c) => {
             let cps = "/v1/runtime/checkpoints";
             match c {

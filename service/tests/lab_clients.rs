@@ -1,14 +1,15 @@
 //! The client surface against a real `sproutd` serving Linux sandboxes from
 //! the emulated lab (docs/cli.md, docs/sdk.md): the `sprout` CLI's whole
 //! sandbox life (exec with stdin and status, background processes and
-//! attach, `cp` of 32 MiB both ways, files, fork, ls, rm, its errors), then
-//! the Python SDK's pytest suite (sdk/python/tests) against the same
-//! sproutd.
+//! attach, `cp` of 32 MiB both ways, files, ports, fork, ls, rm, its
+//! errors), then the Python SDK's pytest suite (sdk/python/tests) against
+//! the same sproutd.
 
 use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use sha2::{Digest as _, Sha256};
@@ -322,6 +323,177 @@ fn cp_copies_32_mib_both_ways(base: &str, vm: &str, dir: &Path) {
     refused(base, &["files", "ls", vm, "in"], "file_not_found");
 }
 
+/// An upgrade (as WebSocket's) answered `101`, then an echo of every byte.
+const UPGRADE_ECHO: &str = r#"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8001))
+s.listen(4)
+while True:
+    c, _ = s.accept()
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        d = c.recv(4096)
+        if not d:
+            break
+        buf += d
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: echo\r\nConnection: Upgrade\r\n\r\n")
+    while True:
+        d = c.recv(4096)
+        if not d:
+            break
+        c.sendall(d)
+    c.close()
+"#;
+
+/// `curl` of `url` to `out`: its HTTP status.
+fn curl(url: &str, out: &Path) -> u16 {
+    let o = Command::new("curl")
+        .args(["-sS", "--max-time", "300", "-o"])
+        .arg(out)
+        .args(["-w", "%{http_code}", url])
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&o.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("curl {url}: {o:?}"))
+}
+
+/// `ports open` of a guest `python3 -m http.server`: curl (which resolves
+/// `*.localhost` to loopback) downloads 16 MiB through the URL, the same
+/// bytes as the guest's; the guest's own 404 passes; an upgrade is carried
+/// both ways; `ports close` closes the URL.
+fn ports_serve_a_guest_http_server(base: &str, vm: &str, dir: &Path) {
+    let hash = ok(
+        base,
+        &[
+            "exec",
+            vm,
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p www && head -c 16777216 /dev/urandom > www/big && sha256sum www/big",
+        ],
+    );
+    let hash = hash.split_whitespace().next().unwrap().to_owned();
+    ok(
+        base,
+        &[
+            "exec",
+            "-d",
+            vm,
+            "--",
+            "sh",
+            "-c",
+            "cd /workspace/www && exec python3 -m http.server 8000",
+        ],
+    );
+    let url = ok(base, &["ports", "open", vm, "8000"]).trim().to_owned();
+    let port = base.rsplit(':').next().unwrap();
+    assert_eq!(url, format!("http://8000-{vm}.localhost:{port}/"));
+    let out = dir.join("big");
+    let t = Instant::now();
+    loop {
+        match curl(&format!("{url}big"), &out) {
+            200 => break,
+            // Until the server listens.
+            502 => {}
+            st => panic!(
+                "{st}: {}",
+                std::fs::read_to_string(&out).unwrap_or_default()
+            ),
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(180),
+            "the server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let got = std::fs::read(&out).unwrap();
+    assert_eq!(got.len(), 16 << 20);
+    assert_eq!(
+        sha256(&got),
+        hash,
+        "the download differs from the guest's file"
+    );
+    eprintln!(
+        "ports: 16 MiB through the URL in {:?} (with the server's start)",
+        t.elapsed()
+    );
+    assert_eq!(curl(&format!("{url}no-such-file"), &out), 404);
+    let page = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        page.contains("File not found"),
+        "the guest's own page: {page}"
+    );
+
+    // An upgrade: 101, then bytes both ways on the same connection.
+    sprout_in(
+        base,
+        &["cp", "-", &format!("{vm}:echo.py")],
+        UPGRADE_ECHO.into(),
+    );
+    ok(
+        base,
+        &["exec", "-d", vm, "--", "python3", "/workspace/echo.py"],
+    );
+    ok(base, &["ports", "open", vm, "8001", "--public"]);
+    let addr = base.trim_start_matches("http://");
+    let t = Instant::now();
+    let mut c = loop {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        write!(
+            c,
+            "GET /ws HTTP/1.1\r\nHost: 8001-{vm}.localhost:{port}\r\nConnection: Upgrade\r\n\
+             Upgrade: echo\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            assert_eq!(
+                c.read(&mut b).unwrap(),
+                1,
+                "{}",
+                String::from_utf8_lossy(&head)
+            );
+            head.push(b[0]);
+        }
+        let head = String::from_utf8_lossy(&head).into_owned();
+        if head.starts_with("HTTP/1.1 101") {
+            assert!(
+                head.to_ascii_lowercase().contains("upgrade: echo"),
+                "{head}"
+            );
+            break c;
+        }
+        assert!(head.starts_with("HTTP/1.1 502"), "{head}");
+        assert!(t.elapsed() < Duration::from_secs(180), "no upgrade: {head}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    for word in ["ping\n", "and more bytes\n"] {
+        c.write_all(word.as_bytes()).unwrap();
+        let mut back = vec![0u8; word.len()];
+        c.read_exact(&mut back).unwrap();
+        assert_eq!(back, word.as_bytes());
+    }
+    drop(c);
+
+    let ls = ok(base, &["ports", "ls", vm]);
+    assert!(
+        ls.starts_with("PORT") && ls.contains("8001") && ls.contains("yes"),
+        "{ls}"
+    );
+    ok(base, &["ports", "close", vm, "8000"]);
+    assert_eq!(curl(&format!("{url}big"), &out), 404);
+    let e: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(e["error"]["code"], "port_not_open", "{e}");
+    refused(base, &["ports", "close", vm, "8000"], "port_not_open");
+}
+
 /// tests/dashboard/check.py (headless Chromium) on a Linux sandbox with a
 /// file and a background process: its processes and files show, and
 /// Pause, Resume and Fork 2 work from the page. `SPROUT_UPDATE_SCREENSHOT=1`
@@ -441,6 +613,8 @@ fn the_cli_and_the_python_sdk_drive_linux_sandboxes_in_the_lab() {
     background_processes_are_listed_attached_and_killed(b, &vm);
     eprintln!("[{:?}] cp", t0.elapsed());
     cp_copies_32_mib_both_ways(b, &vm, t.path());
+    eprintln!("[{:?}] ports", t0.elapsed());
+    ports_serve_a_guest_http_server(b, &vm, t.path());
 
     eprintln!("[{:?}] fork -n 2", t0.elapsed());
     let v = json(b, &["fork", &vm, "-n", "2"]);

@@ -122,6 +122,23 @@ fn a_sandbox_lifecycle_through_the_cli() {
     assert_eq!(cp["name"], "before-fork", "{cp}");
     let cps = ok(b, &["checkpoint", "ls", &id]);
     assert!(cps.contains("before-fork"), "{cps}");
+    // Ports (served only where an agent runs; the records are the same).
+    let url = ok(b, &["ports", "open", &id, "8000"]);
+    assert!(
+        url.trim()
+            .starts_with(&format!("http://8000-{id}.localhost:")),
+        "{url}"
+    );
+    let p = json(b, &["ports", "open", &id, "8001", "--public"]);
+    assert_eq!(p["public"], true, "{p}");
+    let ls = ok(b, &["ports", "ls", &id]);
+    assert!(
+        ls.starts_with("PORT") && ls.contains("8000") && ls.contains("yes"),
+        "{ls}"
+    );
+    assert_eq!(json(b, &["ports", "close", &id, "8000"])["closed"], true);
+    refused(b, &["ports", "close", &id, "8000"], "port_not_open");
+    refused(b, &["ports", "open", &id, "0"], "port 0");
 
     let f = json(b, &["fork", &id, "-n", "2"]);
     let kids: Vec<String> = f["forks"]

@@ -79,6 +79,7 @@ pub struct PortView {
     public: bool,
     /// Where sproutd serves it: `http://{port}-{vmId}.{host}/`.
     url: String,
+    #[schema(format = DateTime)]
     created_at: String,
 }
 

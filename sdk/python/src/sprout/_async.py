@@ -62,6 +62,8 @@ from .models import (
     ProcessExit,
     ProcessList,
     ProcessStarted,
+    Port,
+    PortList,
     Signal,
     SignalSent,
     Snapshot,
@@ -549,6 +551,18 @@ class AsyncSandbox:
 
     async def delete_checkpoint(self, checkpoint: Union[str, Snapshot]) -> SnapshotDeleted:
         return await self.client.delete_checkpoint(checkpoint)
+
+    # -- ports
+
+    async def open_port(self, port: int, *, public: bool = False) -> Port:
+        """As :meth:`sprout.Sandbox.open_port`."""
+        return await self.client._call("openPort", Port, self._p(), json={"port": port, "public": public})
+
+    async def ports(self) -> List[Port]:
+        return (await self.client._call("listPorts", PortList, self._p())).ports
+
+    async def close_port(self, port: int) -> None:
+        await self.client.request("closePort", {**self._p(), "port": port})
 
 
 class AsyncFiles:

@@ -55,6 +55,8 @@ from .models import (
     ProcessExit,
     ProcessList,
     ProcessStarted,
+    Port,
+    PortList,
     Signal,
     SignalSent,
     Snapshot,
@@ -665,6 +667,21 @@ class Sandbox:
 
     def delete_checkpoint(self, checkpoint: Union[str, Snapshot]) -> SnapshotDeleted:
         return self.client.delete_checkpoint(checkpoint)
+
+    # -- ports
+
+    def open_port(self, port: int, *, public: bool = False) -> Port:
+        """Serves the guest's TCP ``port`` over HTTP at the answer's ``url``
+        (``http://{port}-{id}.localhost:7070/`` for a sproutd on loopback),
+        which needs the API key unless ``public`` (docs/api.md, "Ports")."""
+        return self.client._call("openPort", Port, self._p(), json={"port": port, "public": public})
+
+    def ports(self) -> List[Port]:
+        return self.client._call("listPorts", PortList, self._p()).ports
+
+    def close_port(self, port: int) -> None:
+        """Stops serving ``port`` (its URL answers ``404 port_not_open``)."""
+        self.client.request("closePort", {**self._p(), "port": port})
 
 
 class Files:

@@ -66,6 +66,9 @@ __all__ = [
     "ProcessGap",
     "ProcessList",
     "ProcessStarted",
+    "Port",
+    "PortList",
+    "PortRequest",
     "ScheduleRequest",
     "SignalSend",
     "SignalSent",
@@ -140,6 +143,9 @@ ErrorCode = Literal[
     "permission_denied",
     "not_text",
     "file_error",
+    "port_not_open",
+    "port_not_listening",
+    "too_many_ports",
     "internal",
 ]
 FileType = Literal["file", "dir", "symlink", "other"]
@@ -508,6 +514,31 @@ class SnapshotDeleted(Model):
 class CheckpointRequest(Model):
     __schema__ = "CheckpointRequest"
     name: str
+
+
+@dataclass(frozen=True)
+class PortRequest(Model):
+    __schema__ = "PortRequest"
+    port: int
+    public: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class Port(Model):
+    """An open port of a sandbox: sproutd serves the guest's TCP ``port`` at
+    ``url`` (docs/api.md, "Ports")."""
+
+    __schema__ = "Port"
+    port: int
+    public: bool
+    url: str
+    created_at: _dt.datetime
+
+
+@dataclass(frozen=True)
+class PortList(Model):
+    __schema__ = "PortList"
+    ports: List[Port]
 
 
 @dataclass(frozen=True)
