@@ -1,7 +1,8 @@
 //! virtio-net in a VM under real KVM: the test guest's driver sends a frame
 //! that comes out of the VM's TAP interface on this host, takes a frame
 //! sent on that interface, and after a snapshot and a restore onto another
-//! TAP (with another MAC) does the same there.
+//! TAP (with another MAC) does the same there; a fork's children each
+//! have their own TAP and MAC.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
@@ -12,7 +13,7 @@ use guest_abi::mailbox as mb;
 use sprout_tests::{boot, call, config, TempDir};
 use vm_memory::{Bytes, GuestAddress};
 use vmm::config::NetConfig;
-use vmm::{MemoryBackend, RestoreOptions, SnapshotKind, Vm};
+use vmm::{ForkOptions, MemoryBackend, RestoreOptions, SnapshotKind, Vm};
 
 /// An EtherType for local experiments: only this test's frames carry it.
 const ETHERTYPE: u16 = 0x88b5;
@@ -233,6 +234,58 @@ fn frames_cross_the_tap_both_ways_and_a_restore_gets_its_own_tap_and_mac() {
     assert_eq!(&guest_receives(&r)[HDR..], &inbound2[..]);
     // The original still has its own wire.
     let more = frame(PEER, MAC, b"the original again");
+    guest_sends(&vm, &more);
+    assert_eq!(wire.recv(Duration::from_secs(10)), Some(more));
+}
+
+/// Fork 3 of a VM with a network device: without a TAP per child the fork
+/// is refused; with them, each child has its own MAC, and its frames come
+/// out of its own TAP only (and one sent there reaches it), while the
+/// parent keeps its wire.
+#[test]
+fn a_forks_children_each_get_their_own_tap_and_mac() {
+    let dir = TempDir::new("netfork");
+    let wire = Wire::new("p");
+    let (mut cfg, console) = config(1, 128);
+    cfg.net = Some(wire.net(MAC));
+    let mut vm = boot(cfg, &console);
+    let mut opts = ForkOptions::new(dir.path());
+    let e = vm.fork(3, &opts, None).err().expect("refused");
+    assert!(e.to_string().contains("one TAP per child"), "{e}");
+    let wires: Vec<Wire> = ["c0", "c1", "c2"].into_iter().map(Wire::new).collect();
+    let macs: Vec<[u8; 6]> = (0..3u8).map(|i| [0x06, 0, 0xac, 0x10, 1, i]).collect();
+    opts.nets = wires.iter().zip(&macs).map(|(w, m)| w.net(*m)).collect();
+    let kids = vm.fork(3, &opts, None).unwrap();
+    let mut seen = vec![MAC];
+    for (i, kid) in kids.iter().enumerate() {
+        let net = kid.config().net.clone().unwrap();
+        assert_eq!(net, wires[i].net(macs[i]));
+        assert!(!seen.contains(&net.mac), "child {i}: a MAC seen before");
+        seen.push(net.mac);
+        let out = frame(PEER, macs[i], format!("from child {i}").as_bytes());
+        guest_sends(kid, &out);
+        assert_eq!(
+            wires[i].recv(Duration::from_secs(10)),
+            Some(out),
+            "child {i}"
+        );
+        let inbound = frame(macs[i], PEER, format!("to child {i}").as_bytes());
+        wires[i].send(&inbound);
+        assert_eq!(&guest_receives(kid)[HDR..], &inbound[..], "child {i}");
+    }
+    for (i, w) in wires.iter().enumerate() {
+        assert_eq!(
+            w.recv(Duration::from_millis(200)),
+            None,
+            "wire {i}: a stray frame"
+        );
+    }
+    assert_eq!(
+        wire.recv(Duration::from_millis(200)),
+        None,
+        "the parent's wire"
+    );
+    let more = frame(PEER, MAC, b"the parent again");
     guest_sends(&vm, &more);
     assert_eq!(wire.recv(Duration::from_secs(10)), Some(more));
 }

@@ -39,6 +39,10 @@ pub enum ForkError {
     NoChildren,
     #[error("The VM has a vsock device: give the fork a directory for the children's sockets")]
     NeedVsockDir,
+    #[error(
+        "The VM has a network device: give the fork one TAP per child ({want} children, {have} given)"
+    )]
+    NeedNets { want: usize, have: usize },
     #[error("Cannot write the fork layer")]
     Layer(#[source] SnapshotError),
     #[error("Cannot build a shell for a child")]
@@ -59,7 +63,7 @@ impl ForkError {
     /// A stable snake_case name of the failure, for protocols.
     pub fn code(&self) -> &'static str {
         match self {
-            Self::NoChildren | Self::NeedVsockDir => "bad_request",
+            Self::NoChildren | Self::NeedVsockDir | Self::NeedNets { .. } => "bad_request",
             Self::Layer(e) => e.code(),
             Self::Shell(e) => e.code(),
             Self::Load(e) | Self::Child { source: e, .. } => e.code(),
@@ -91,6 +95,10 @@ pub struct ForkOptions {
     /// needed when the parent has vsock.
     pub vsock_dir: Option<PathBuf>,
     pub serial: SerialOutput,
+    /// Each child's own TAP and MAC, one per child, in order; needed when
+    /// the parent has a network device (a child never shares its parent's
+    /// TAP, and each should have a MAC of its own).
+    pub nets: Vec<crate::config::NetConfig>,
 }
 
 impl ForkOptions {
@@ -101,6 +109,7 @@ impl ForkOptions {
             vsock_dir: Some(scratch_dir.clone()),
             scratch_dir,
             serial: SerialOutput::Sink,
+            nets: Vec::new(),
         }
     }
 }
@@ -156,6 +165,12 @@ impl Vm {
         if self.config.vsock.is_some() && opts.vsock_dir.is_none() {
             return Err(ForkError::NeedVsockDir);
         }
+        if self.config.net.is_some() && opts.nets.len() != n {
+            return Err(ForkError::NeedNets {
+                want: n,
+                have: opts.nets.len(),
+            });
+        }
         let layer = self
             .write_fork_layer(&opts.scratch_dir)
             .map_err(ForkError::Layer)?;
@@ -174,8 +189,10 @@ impl Vm {
         let results: Vec<Result<Vm, ForkError>> = std::thread::scope(|s| {
             let handles: Vec<_> = shells
                 .into_iter()
-                .map(|shell| {
+                .enumerate()
+                .map(|(i, shell)| {
                     let (chain, stack) = (&chain, stack.clone());
+                    let net = opts.nets.get(i).cloned();
                     s.spawn(move || {
                         let id = new_instance_id();
                         let mut o = RestoreOptions::for_fork(opts.backend);
@@ -183,6 +200,7 @@ impl Vm {
                         o.vsock_max_connections = budget;
                         o.serial = opts.serial.clone();
                         o.scratch_dir = opts.scratch_dir.clone();
+                        o.net = net;
                         o.vsock_uds = opts
                             .vsock_dir
                             .as_ref()
