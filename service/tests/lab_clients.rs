@@ -399,7 +399,10 @@ fn ports_serve_a_guest_http_server(base: &str, vm: &str, dir: &Path) {
         match curl(&format!("{url}big"), &out) {
             200 => break,
             // Until the server listens.
-            502 => {}
+            502 => {
+                let e = std::fs::read_to_string(&out).unwrap_or_default();
+                assert!(e.contains("\"port_not_listening\""), "{e}");
+            }
             st => panic!(
                 "{st}: {}",
                 std::fs::read_to_string(&out).unwrap_or_default()

@@ -22,7 +22,7 @@ pub(super) async fn connect(port: u16) -> Result<TcpStream, ErrorMsg> {
     if port == 0 {
         return Err(ErrorMsg::new(ErrorCode::BadRequest, "port 0 is not a port"));
     }
-    let mut last = None;
+    let mut errors = Vec::new();
     for ip in [Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()] {
         let addr = SocketAddr::new(ip, port);
         match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
@@ -30,19 +30,29 @@ pub(super) async fn connect(port: u16) -> Result<TcpStream, ErrorMsg> {
                 let _ = s.set_nodelay(true);
                 return Ok(s);
             }
-            Ok(Err(e)) => last = Some(e),
-            Err(_) => last = Some(io::ErrorKind::TimedOut.into()),
+            Ok(Err(e)) => errors.push(e),
+            Err(_) => errors.push(io::ErrorKind::TimedOut.into()),
         }
     }
-    let e = last.unwrap_or_else(|| io::ErrorKind::ConnectionRefused.into());
-    let code = match e.kind() {
-        io::ErrorKind::ConnectionRefused | io::ErrorKind::AddrNotAvailable => ErrorCode::Refused,
-        _ => ErrorCode::Io,
+    Err(refusal(port, &errors))
+}
+
+/// Why no loopback address of `port` took a connection (`errors`: 127.0.0.1's,
+/// then ::1's). A guest without IPv6 fails ::1 with "address family not
+/// supported": 127.0.0.1's refusal is the answer then.
+fn refusal(port: u16, errors: &[io::Error]) -> ErrorMsg {
+    let refused = |e: &&io::Error| e.kind() == io::ErrorKind::ConnectionRefused;
+    let (code, e) = match errors.iter().find(refused) {
+        Some(e) => (ErrorCode::Refused, e),
+        None => match errors.first() {
+            Some(e) => (ErrorCode::Io, e),
+            None => return ErrorMsg::new(ErrorCode::Io, format!("port {port}: no address")),
+        },
     };
-    Err(ErrorMsg::new(
+    ErrorMsg::new(
         code,
         format!("Nothing in the sandbox accepts connections on port {port} ({e})"),
-    ))
+    )
 }
 
 /// Carries bytes between the agent's connection (`r`, whose `rest` was
@@ -67,4 +77,21 @@ where
     };
     let (up, down) = tokio::join!(up, down);
     debug!("port {port}: in {up:?} bytes, out {down:?}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_on_either_address_is_a_refusal() {
+        let refused = || io::Error::from(io::ErrorKind::ConnectionRefused);
+        let no_v6 = || io::Error::from_raw_os_error(libc::EAFNOSUPPORT);
+        let m = refusal(8000, &[refused(), no_v6()]);
+        assert_eq!(m.code, ErrorCode::Refused, "{}", m.message);
+        assert!(m.message.contains("8000"), "{}", m.message);
+        assert_eq!(refusal(1, &[no_v6(), refused()]).code, ErrorCode::Refused);
+        let m = refusal(1, &[io::ErrorKind::TimedOut.into(), no_v6()]);
+        assert_eq!(m.code, ErrorCode::Io);
+    }
 }

@@ -32,6 +32,18 @@ def fetch(base_url: str, url: str, path: str) -> httpx.Response:
 def test_a_port_serves_a_guest_http_server(linux_box: sprout.Sandbox, base_url: str) -> None:
     p = linux_box.open_port(8000)
     assert (p.port, p.public) == (8000, False)
+    try:
+        serve_through(linux_box, base_url, p)
+    finally:
+        linux_box.close_port(8000)
+    r = fetch(base_url, p.url, "/blob")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "port_not_open", r.text
+    with pytest.raises(sprout.NotFoundError) as e:
+        linux_box.close_port(8000)
+    assert e.value.code == "port_not_open"
+
+
+def serve_through(linux_box: sprout.Sandbox, base_url: str, p: sprout.Port) -> None:
     assert urlsplit(p.url).hostname == f"8000-{linux_box.id}.localhost", p.url
     # Before anything listens: the port's own error, then the server comes up.
     r = fetch(base_url, p.url, "/")
@@ -50,12 +62,6 @@ def test_a_port_serves_a_guest_http_server(linux_box: sprout.Sandbox, base_url: 
     r = fetch(base_url, p.url, "/no-such-file")
     assert r.status_code == 404 and r.headers["content-type"].startswith("text/html"), r.headers
     assert [x.port for x in linux_box.ports()] == [8000]
-    linux_box.close_port(8000)
-    r = fetch(base_url, p.url, "/blob")
-    assert r.status_code == 404 and r.json()["error"]["code"] == "port_not_open", r.text
-    with pytest.raises(sprout.NotFoundError) as e:
-        linux_box.close_port(8000)
-    assert e.value.code == "port_not_open"
     server.kill()
 
 
@@ -64,6 +70,6 @@ async def test_async_ports(base_url: str, linux_box: sprout.Sandbox) -> None:
     async with sprout.AsyncClient(base_url) as c:
         sb = await c.get(linux_box.id)
         p = await sb.open_port(8123, public=True)
-        assert p.public and (await sb.ports())[0].port == 8123
+        assert p.public and 8123 in [x.port for x in await sb.ports()]
         await sb.close_port(8123)
-        assert await sb.ports() == []
+        assert 8123 not in [x.port for x in await sb.ports()]
