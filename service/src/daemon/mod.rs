@@ -518,6 +518,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
                  guest runs here"
             ),
         }
+        tracing::info!("{}", routes::NO_EGRESS);
         tracing::info!(data_dir = %app.data_dir.display(), "listening on http://{addr}");
         if app.host.lab {
             // The host's sproutd prints the banner with its own address.

@@ -311,7 +311,27 @@ struct Info {
     exec_limits: ExecLimitsView,
     /// The caller's tenant and its quota.
     tenant: TenantView,
+    network: NetworkView,
 }
+
+/// What network sandboxes get here.
+#[derive(Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+#[schema(as = Network)]
+struct NetworkView {
+    /// Whether sandboxes reach the network (unless `disableInternet`).
+    egress: bool,
+    /// Whether guest ports are served (`POST /vms/{id}/ports`).
+    ports: bool,
+    /// What is missing, when something is.
+    #[schema(required = true)]
+    reason: Option<&'static str>,
+}
+
+/// Why sandboxes have no egress (said at start-up too).
+pub const NO_EGRESS: &str = "sproutd gives sandboxes no network device yet: they have no \
+    egress, whatever disableInternet says; guest ports are served through the agent \
+    (POST /v1/runtime/vms/{id}/ports)";
 
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -390,6 +410,11 @@ async fn info(
             slots_in_use: in_use.len() as u32,
             max_execs: policy.max_execs,
             execs_in_flight: limits.tenant_in_flight(caller.name()),
+        },
+        network: NetworkView {
+            egress: false,
+            ports: true,
+            reason: Some(NO_EGRESS),
         },
     }))
 }

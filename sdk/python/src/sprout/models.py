@@ -61,6 +61,7 @@ __all__ = [
     "Image",
     "Info",
     "MakeDir",
+    "Network",
     "Process",
     "ProcessExit",
     "ProcessGap",
@@ -336,6 +337,17 @@ class Tenant(Model):
 
 
 @dataclass(frozen=True)
+class Network(Model):
+    """What network sandboxes get: ``egress`` (unless ``disable_internet``),
+    guest ``ports`` served by sproutd, and what is missing (``reason``)."""
+
+    __schema__ = "Network"
+    egress: bool
+    ports: bool
+    reason: Optional[str]
+
+
+@dataclass(frozen=True)
 class Info(Model):
     """``GET /v1/info``."""
 
@@ -345,6 +357,7 @@ class Info(Model):
     images: List[Image]
     exec_limits: ExecLimits
     tenant: Tenant
+    network: Network
     data_dir: Optional[str] = None
 
 
