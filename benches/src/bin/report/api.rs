@@ -14,6 +14,10 @@
 //!   transport) on the same sandbox when `--data-dir` is given; a snapshot;
 //!   a sleep, and the wake its next exec makes (to that exec's answer);
 //!   fork(1) and fork(4) to every child answering an exec;
+//! - a port (`POST /vms/{id}/ports`) to a guest `python3 -m http.server`: a
+//!   GET of 2 bytes through the port's URL, and the same request over the
+//!   agent client's own `open_port` (the library); a 16 MiB download
+//!   through the URL, RUNS / 10 (at least 3);
 //! - create to first exec: `POST /schedule` then an exec of `true`, restored
 //!   from the image's template (built by a first create, not measured).
 //!
@@ -250,6 +254,7 @@ pub fn run(args: &[String], runs: usize) -> anyhow::Result<()> {
     }
 
     let n = (runs / 10).max(3);
+    port_rows(&api, &rt, &id, agent.as_ref(), runs, n, &label)?;
     rest_rows(&api, &id, data_dir.as_deref(), n, &label)?;
     api.delete(&id)?;
 
@@ -369,6 +374,111 @@ fn rest_rows(
     }
     row(label, "api: fork(4) to every child's exec answered", fork4);
     Ok(())
+}
+
+/// The port rows, on sandbox `id` (a guest HTTP server on port 8000).
+fn port_rows(
+    api: &Api,
+    rt: &tokio::runtime::Runtime,
+    id: &str,
+    agent: Option<&Agent>,
+    runs: usize,
+    n: usize,
+    label: &str,
+) -> anyhow::Result<()> {
+    let setup = "mkdir -p /tmp/www && printf ok > /tmp/www/small && \
+                 head -c 16777216 /dev/zero > /tmp/www/big";
+    let v = api.post(
+        &format!("/v1/runtime/vms/{id}/exec"),
+        json!({"command": "/bin/sh", "argv": ["-c", setup]}),
+    )?;
+    if v["exitCode"] != 0 {
+        bail!("setting up the files to serve: {v}");
+    }
+    api.post(
+        &format!("/v1/runtime/vms/{id}/exec"),
+        json!({"command": "/bin/sh", "background": true,
+               "argv": ["-c", "cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1"]}),
+    )?;
+    let port = api.post(
+        &format!("/v1/runtime/vms/{id}/ports"),
+        json!({"port": 8000}),
+    )?;
+    let url = port["url"].as_str().context("no url")?;
+    let host = url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned();
+    let get = |path: &str| -> anyhow::Result<(u16, usize)> {
+        let r = api
+            .http
+            .get(format!("{}{path}", api.base))
+            .header("host", &host)
+            .send()?;
+        let st = r.status().as_u16();
+        Ok((st, r.bytes()?.len()))
+    };
+    let t = Instant::now();
+    while get("/small")?.0 != 200 {
+        if t.elapsed() > Duration::from_secs(300) {
+            bail!("the guest's http.server never answered through {url}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (mut through, mut lib) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let t = Instant::now();
+        let (st, len) = get("/small")?;
+        through.push(t.elapsed());
+        if (st, len) != (200, 2) {
+            bail!("GET /small through the port: {st}, {len} bytes");
+        }
+        if let Some(a) = agent {
+            let t = Instant::now();
+            let len = rt.block_on(agent_get(a))?;
+            lib.push(t.elapsed());
+            if !len.ends_with(b"\r\n\r\nok") {
+                bail!(
+                    "GET /small over open_port: {:?}",
+                    String::from_utf8_lossy(&len)
+                );
+            }
+        }
+    }
+    row(
+        label,
+        "api: GET 2 bytes through a port's URL (sproutd to the agent to a guest python http.server)",
+        through,
+    );
+    if !lib.is_empty() {
+        row(
+            label,
+            "library: the same GET over the agent client's open_port",
+            lib,
+        );
+    }
+    let mut big = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let (st, len) = get("/big")?;
+        big.push(t.elapsed());
+        if (st, len) != (200, 16 << 20) {
+            bail!("GET /big through the port: {st}, {len} bytes");
+        }
+    }
+    row(label, "api: GET 16 MiB through a port's URL", big);
+    Ok(())
+}
+
+/// `GET /small` written on a fresh `open_port(8000)`: the whole answer.
+async fn agent_get(a: &Agent) -> anyhow::Result<Vec<u8>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = a.open_port(8000).await?;
+    s.write_all(b"GET /small HTTP/1.0\r\nHost: bench\r\n\r\n")
+        .await?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await?;
+    Ok(out)
 }
 
 async fn agent_true(a: &Agent) -> anyhow::Result<()> {
