@@ -344,6 +344,16 @@ async fn stdin_reaches_a_background_process_from_any_connection() {
         Some(sha256_hex(&data).as_str())
     );
 
+    // A process that reads its line and ends before the close comes: the
+    // close is done all the same (a client's write-then-close must not race
+    // the process's exit).
+    let mut req = cmd("/bin/sh", &["-c", "read l; exit 3"]);
+    req.stdin = StdinMode::Stream;
+    let s = client.exec_background(req).await.unwrap();
+    client.proc_stdin(s.exec_id, b"line\n").await.unwrap();
+    wait_exit(&client, s.exec_id).await;
+    client.proc_stdin_close(s.exec_id).await.unwrap();
+
     // A process without a stdin stream, an unknown one, an oversized chunk.
     let s = client.exec_background(sh(&wait_gate("go"))).await.unwrap();
     let e = client.proc_stdin(s.exec_id, b"x").await.unwrap_err();

@@ -252,7 +252,14 @@ async fn write_stdin(sh: &Shared, req: ProcStdin) -> Result<u64, ErrorMsg> {
         )
     };
     let mut guard = proc.stdin.lock().await;
-    let pipe = guard.as_mut().ok_or_else(closed)?;
+    let Some(pipe) = guard.as_mut() else {
+        // Closing a stdin that is closed already (the process read what it
+        // was sent and ended before the close came) is done, not an error.
+        if req.data.is_empty() && req.close {
+            return Ok(0);
+        }
+        return Err(closed());
+    };
     let mut done = 0usize;
     let wrote = timeout(STDIN_WAIT, async {
         while done < req.data.len() {
