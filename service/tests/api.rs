@@ -819,7 +819,8 @@ async fn openapi_json_is_the_committed_document_and_every_documented_operation_i
         // Ids that name nothing: no probe touches a sandbox.
         let path = template
             .replace("{id}", "6f1c3e2a-8d4b-4c1e-9a7f-0b2d3e4f5a6b")
-            .replace("{execId}", "1");
+            .replace("{execId}", "1")
+            .replace("{port}", "8000");
         let ops = item.as_object().unwrap();
         for method in all {
             let mut url = d.url(&path);
@@ -876,7 +877,7 @@ async fn openapi_json_is_the_committed_document_and_every_documented_operation_i
             }
         }
     }
-    assert_eq!(probed, 39);
+    assert_eq!(probed, 42);
     // And a route nobody documents is the router's 404.
     let r = c.get(d.url("/v1/runtime/nothing")).send().await.unwrap();
     assert_error(r, StatusCode::NOT_FOUND, "not_found").await;
