@@ -371,6 +371,12 @@ mod tests {
             if answer_early {
                 w.write_all(b"HTTP/1.1 413 Too Big\r\ncontent-length: 0\r\n\r\n")
                     .unwrap();
+                // As an HTTP server does: the answer goes out whole, then the
+                // rest of the body is read and dropped until the client goes
+                // (closing with unread bytes would reset the connection, and
+                // the client could lose the answer).
+                let _ = w.shutdown(std::net::Shutdown::Write);
+                let _ = std::io::copy(&mut r, &mut std::io::sink());
                 return 0;
             }
             let got = std::io::copy(&mut r.take(len), &mut std::io::sink()).unwrap();
