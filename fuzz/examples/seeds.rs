@@ -57,6 +57,7 @@ fn worker_frame() {
         vsock_uds: Some("v.sock".into()),
         instance_id: Some(7),
         prefetch: true,
+        net: None,
     };
     let requests = [
         ("describe", Request::Describe),

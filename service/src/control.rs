@@ -294,6 +294,7 @@ pub fn fork(sock: &Path, n: usize) -> Result<Vec<PathBuf>, ControlError> {
                         vsock_uds: has_vsock.then(|| dir.join(format!("{stem}-{id:016x}.vsock"))),
                         instance_id: Some(id),
                         prefetch: false,
+                        net: None,
                     };
                     let r = k.client.restore_fork_layer(spec).err();
                     (k, id, r)

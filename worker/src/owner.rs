@@ -278,6 +278,7 @@ impl Owner {
         o.vsock_uds = spec.vsock_uds;
         o.scratch_dir = self.scratch_dir.clone();
         o.instance_id = spec.instance_id;
+        o.net = spec.net;
         let r = match (fork, shell) {
             (true, shell) => Vm::restore_fork_layer(&spec.dir, shell, o),
             (false, Some(shell)) => Vm::restore_in(shell, &spec.dir, o),

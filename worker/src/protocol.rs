@@ -158,6 +158,10 @@ pub struct RestoreSpec {
     pub instance_id: Option<u64>,
     /// uffd: prefetch the snapshot's recorded working set.
     pub prefetch: bool,
+    /// The TAP and MAC of the restored VM's network device (needed if the
+    /// snapshot has one; its own MAC is replaced by this one).
+    #[serde(default)]
+    pub net: Option<vmm::config::NetConfig>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -426,6 +430,7 @@ mod tests {
                 vsock_uds: Some("/tmp/v".into()),
                 instance_id: Some(u64::MAX),
                 prefetch: false,
+                net: None,
             }),
             Request::Mailbox {
                 cpu: 1,

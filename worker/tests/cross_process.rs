@@ -63,6 +63,7 @@ fn fork_spec(dir: &Path) -> RestoreSpec {
         vsock_uds: None,
         instance_id: None,
         prefetch: false,
+        net: None,
     }
 }
 

@@ -198,6 +198,7 @@ fn spec(dir: &Path, backend: Backend, vsock_uds: PathBuf) -> RestoreSpec {
         vsock_uds: Some(vsock_uds),
         instance_id: None,
         prefetch: false,
+        net: None,
     }
 }
 
@@ -550,8 +551,9 @@ fn a_rooted_worker_sees_only_its_jail() {
     assert_eq!(names(&root), ["dev", "proc", "worker"]);
     assert_eq!(
         names(&root.join("dev")),
-        ["kvm", "null", "urandom", "userfaultfd"]
+        ["kvm", "net", "null", "urandom", "userfaultfd"]
     );
+    assert_eq!(names(&root.join("dev/net")), ["tun"]);
     assert_eq!(names(&root.join("proc")), ["self"]);
     assert!(!root.join("etc/passwd").exists());
     assert!(!root.join(marker.path().strip_prefix("/").unwrap()).exists());
@@ -730,4 +732,87 @@ fn rooted_workers_boot_and_restore_from_files_exposed_after_they_started() {
     assert!(base.left().is_empty(), "{:?}", base.left());
     // The exposed directory and the kernel are still there.
     assert!(full.join("manifest.json").exists() && testguest().exists());
+}
+
+/// Each jailed worker has its own network namespace holding a TAP, `tap0`,
+/// that its jail made (persistent, owned by the jail uid): its VM's network
+/// device attaches to it after the worker gave up root, the device
+/// activates (its offloads set from a vCPU thread) under the filters, and
+/// the VM runs on.
+#[test]
+fn a_jailed_workers_vm_attaches_to_the_tap_its_jail_made() {
+    require_root();
+    if !Path::new("/dev/net/tun").exists() {
+        eprintln!("skipped: this host has no /dev/net/tun");
+        return;
+    }
+    let dir = jail_dir("jail-tap");
+    let mut w = cmd()
+        .spawn(
+            &dir.path().join("w.sock"),
+            None,
+            Some(&dir.path().join("w.console")),
+        )
+        .expect("jailed worker starts");
+    let ns = format!("--net=/proc/{}/ns/net", w.pid());
+    let link = || {
+        let o = std::process::Command::new("nsenter")
+            .args([ns.as_str(), "ip", "-d", "link", "show", "tap0"])
+            .output()
+            .expect("nsenter runs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let before = link();
+    for want in ["tun type tap", "persist on"] {
+        assert!(before.contains(want), "{want:?} not in {before}");
+    }
+    // ip names the owner when the host has a name for it.
+    assert!(
+        before.contains("user nobody") || before.contains("user 65534"),
+        "owned by the jail uid: {before}"
+    );
+    let mut c = vmm::VmConfig::new(testguest());
+    c.vcpus = SHAPE.vcpus;
+    c.mem_mib = SHAPE.mem_mib;
+    c.net = Some(vmm::config::NetConfig {
+        tap: "tap0".into(),
+        mac: [0x02, 0, 0, 0, 0x7a, 0x01],
+    });
+    w.client
+        .call(&sprout_worker::Request::Boot(BootSpec {
+            spec: c.spec(),
+            instance_id: None,
+        }))
+        .expect("a boot with a network device in the jail");
+    let d = w.client.describe().unwrap();
+    assert_eq!(d.state, WorkerState::Running);
+    assert_eq!(d.config.unwrap().net.unwrap().tap, "tap0");
+    // A frame from the guest (its header and 60 bytes of its zeroed
+    // scratch memory) reaches the TAP: the kernel counts it received.
+    let up = std::process::Command::new("nsenter")
+        .args([ns.as_str(), "ip", "link", "set", "tap0", "up"])
+        .status()
+        .unwrap();
+    assert!(up.success());
+    call(&mut w.client, mb::CMD_NET_SEND, [B, 12 + 60, 0, 0]);
+    let stats = std::process::Command::new("nsenter")
+        .args([ns.as_str(), "cat", "/proc/net/dev"])
+        .output()
+        .unwrap();
+    let stats = String::from_utf8_lossy(&stats.stdout).into_owned();
+    let rx: Vec<u64> = stats
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("tap0:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|v| v.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(rx.get(1), Some(&1), "one frame received by tap0: {stats}");
+    let after = link();
+    assert!(after.contains("vnet_hdr on"), "{after}");
+    w.client.stop().unwrap();
+    w.wait().unwrap();
 }

@@ -85,6 +85,7 @@ fn restore_then_truncate_with(before: impl FnOnce(&mut Client)) -> Truncated {
         vsock_uds: None,
         instance_id: None,
         prefetch: false,
+        net: None,
     })
     .expect("restore");
     call(&mut c, mb::CMD_ECHO, [1, 0, 0, 0]);

@@ -97,6 +97,19 @@ pub const FIOCLEX: u64 = 0x5451;
 /// Snapshots map a file's extents to copy only its data.
 pub const FS_IOC_FIEMAP: u64 = 0xc020_660b;
 
+// /dev/net/tun requests (`linux/if_tun.h`, type 'T').
+const TUNIO: u64 = b'T' as u64;
+/// Attaches to the sandbox's TAP (made by the jail, owned by its uid).
+pub const TUNSETIFF: u64 = iow(TUNIO, 202, size_of::<libc::c_int>());
+pub const TUNSETPERSIST: u64 = iow(TUNIO, 203, size_of::<libc::c_int>());
+pub const TUNSETOWNER: u64 = iow(TUNIO, 204, size_of::<libc::c_int>());
+pub const TUNSETGROUP: u64 = iow(TUNIO, 206, size_of::<libc::c_int>());
+/// The offloads the guest's driver took, set as the net device activates
+/// (on the vCPU thread whose MMIO write activated it, or on the owner in a
+/// restore).
+pub const TUNSETOFFLOAD: u64 = iow(TUNIO, 208, size_of::<libc::c_uint>());
+pub const TUNSETVNETHDRSZ: u64 = iow(TUNIO, 216, size_of::<libc::c_int>());
+
 /// `sprout-vcpuN`: KVM_RUN; the registers it reads when an exit fails
 /// (`vmm::vcpu`); the state it reads for a snapshot while parked
 /// (`vmm::arch::state::save_vcpu`). Restores and boots set vCPU state on
@@ -113,6 +126,7 @@ pub const VCPU: &[u64] = &[
     KVM_GET_VCPU_EVENTS,
     KVM_GET_MP_STATE,
     KVM_GET_DEBUGREGS,
+    TUNSETOFFLOAD,
 ];
 
 /// `sprout-uffd`: answers faults (COPY, ZEROPAGE, WAKE) and, as it ends,
@@ -167,6 +181,9 @@ const OWNER_OWN: &[u64] = &[
     UFFDIO_API,
     UFFDIO_REGISTER,
     FS_IOC_FIEMAP,
+    // A boot's or restore's virtio-net device opens the TAP by name.
+    TUNSETIFF,
+    TUNSETVNETHDRSZ,
 ];
 
 /// The owner's requests: its own and those of every thread kind it starts.
@@ -207,6 +224,12 @@ mod tests {
             (UFFDIO_WAKE, 0x8010_aa02),
             (UFFDIO_COPY, 0xc028_aa03),
             (UFFDIO_ZEROPAGE, 0xc020_aa04),
+            (TUNSETIFF, 0x4004_54ca),
+            (TUNSETPERSIST, 0x4004_54cb),
+            (TUNSETOWNER, 0x4004_54cc),
+            (TUNSETGROUP, 0x4004_54ce),
+            (TUNSETOFFLOAD, 0x4004_54d0),
+            (TUNSETVNETHDRSZ, 0x4004_54d8),
         ] {
             assert_eq!(got, want, "{got:#x} != {want:#x}");
         }

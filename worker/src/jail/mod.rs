@@ -18,7 +18,7 @@
 //!    root (from an initramfs root: move DIR over `/` and chroot). The spawner exposes files into DIR while the worker runs
 //!    ([`Jail::expose`]), at the same paths as on the host.
 //!    Without it: make every mount private and give the devices in place:
-//!    `/dev/kvm` and `/dev/userfaultfd` are root's (0600) on the host, so
+//!    `/dev/kvm`, `/dev/userfaultfd` and `/dev/net/tun` are root's (0600) on the host, so
 //!    the worker mounts a small tmpfs, makes a node of each device there
 //!    owned by the jail uid/gid (0600), and binds it over the path in
 //!    `/dev`; the worker sees the rest of the host's file system with the
@@ -36,6 +36,7 @@ pub mod ioctls;
 mod names;
 pub mod root;
 pub mod seccomp;
+pub mod tap;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;
 
@@ -52,7 +53,7 @@ pub const DEFAULT_UID: u32 = 65534;
 pub const DEFAULT_GID: u32 = 65534;
 
 /// The devices a VM opens, given to the jail uid inside its namespace.
-const DEVICES: &[&str] = &["/dev/kvm", "/dev/userfaultfd"];
+const DEVICES: &[&str] = &["/dev/kvm", "/dev/userfaultfd", "/dev/net/tun"];
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JailOptions {
@@ -137,9 +138,9 @@ pub fn enter(o: &JailOptions) -> Result<(), JailError> {
     seccomp::prepare()?;
     // Its own mount namespace, and its own network namespace: a worker
     // taken over by its guest reaches no TCP/IP service of the host (such as
-    // sproutd's own API on loopback). Nothing in a worker needs a network:
-    // its sockets are Unix sockets on paths, which work across network
-    // namespaces.
+    // sproutd's own API on loopback). Its own sockets are Unix sockets on
+    // paths, which work across network namespaces; its VM's network device
+    // is the TAP made below, which sproutd joins to the host from outside.
     // SAFETY: only CLONE_NEWNS and CLONE_NEWNET: no file descriptor table
     // is unshared, so no thread can see descriptors from another table.
     sys("unshare the mount and network namespaces", unsafe {
@@ -147,6 +148,19 @@ pub fn enter(o: &JailOptions) -> Result<(), JailError> {
             rustix::thread::UnshareFlags::NEWNS | rustix::thread::UnshareFlags::NEWNET,
         )
     })?;
+    // The VM's TAP, while the worker may still make one (see `tap`). A
+    // host without /dev/net/tun runs sandboxes without a network (sproutd
+    // says so): no TAP then, and no error.
+    match tap::make(o.uid, o.gid) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(JailError::Sys(
+                "make the sandbox's TAP",
+                std::io::Error::new(e.kind(), e.to_string()),
+            ))
+        }
+    }
     match &o.root {
         None => {
             sys(

@@ -81,6 +81,8 @@ const DEVICES: &[(&str, u32, bool)] = &[
     // The rng device's entropy source.
     ("urandom", 0o666, false),
     ("null", 0o666, false),
+    // The sandbox's TAP (see `super::tap`), attached to by the VMM.
+    ("net/tun", 0o600, true),
 ];
 
 fn root_err(root: &Path, what: &'static str) -> impl FnOnce(rustix::io::Errno) -> JailError {
@@ -118,6 +120,10 @@ pub(super) fn enter(root: &Path, o: &JailOptions) -> Result<(), JailError> {
             Err(e) => return Err(JailError::Device(host, e.into())),
         };
         let node = dev.join(name);
+        if let Some(parent) = node.parent().filter(|p| *p != dev) {
+            std::fs::create_dir_all(parent)
+                .map_err(io_root_err(root, "make a /dev directory in"))?;
+        }
         let dev_err = |e: rustix::io::Errno| JailError::Device(host.clone(), e.into());
         rustix::fs::mknodat(
             CWD,

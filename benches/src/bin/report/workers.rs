@@ -66,6 +66,7 @@ fn spec(dir: &Path) -> RestoreSpec {
         vsock_uds: None,
         instance_id: None,
         prefetch: false,
+        net: None,
     }
 }
 
