@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use guest_agent::client::{Client, ClientConfig, ClientError, Endpoint};
 use guest_agent::protocol::{
     Bytes, Entries, ErrorCode, ErrorMsg, FileInfo, FileKind, Identity, IdentityDone, Message,
-    ReadData, ReadEnd, MAX_CHUNK,
+    NetConfigure, NetConfigured, ReadData, ReadEnd, MAX_CHUNK,
 };
 use guest_agent::wire::{write_frame, FrameReader};
 use tokio::net::UnixListener;
@@ -135,6 +135,10 @@ fn long_texts(m: &Message) -> Answer {
             ..IdentityDone::default()
         }
         .into(),
+        Message::NetConfigure(_) => NetConfigured {
+            interface: "i".repeat(1_000_000),
+        }
+        .into(),
         _ => return Box::new(std::iter::empty()),
     };
     Box::new(std::iter::once(msg))
@@ -155,6 +159,9 @@ async fn agent_texts_are_clipped() {
     let kept: usize = d.errors.iter().map(String::len).sum();
     assert!(kept < 128 << 10, "kept {kept} bytes of errors");
     assert!(d.hostname.unwrap().len() < 8 << 10);
+
+    let name = client.net_configure(NetConfigure::default()).await.unwrap();
+    assert!(name.len() < 8 << 10, "{} bytes", name.len());
 }
 
 /// Empty frames without end: `Entries { more: true }` for a listing, empty `ReadData`

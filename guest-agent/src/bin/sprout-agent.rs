@@ -45,8 +45,8 @@ struct Args {
     /// forgotten first).
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_FINISHED)]
     max_finished: usize,
-    /// Serve identity refresh (sets the clock, CRNG and hostname of this machine: only
-    /// for the agent PID 1 starts in a VM).
+    /// Serve identity refresh and network configuration (they set the clock, CRNG,
+    /// hostname and network of this machine: only for the agent PID 1 starts in a VM).
     #[arg(long)]
     allow_identity: bool,
     /// Start the main process this spec describes (see
@@ -56,6 +56,10 @@ struct Args {
     /// Resolve paths component by component instead of with openat2 (tests the fallback).
     #[arg(long, hide = true)]
     no_openat2: bool,
+    /// The file network configuration writes name servers to, instead of
+    /// /etc/resolv.conf (tests only: an agent run on the host must not touch the host's).
+    #[arg(long, hide = true, value_name = "PATH")]
+    resolv_conf: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -78,6 +82,9 @@ fn main() -> anyhow::Result<()> {
         ring_bytes: args.ring_bytes,
         max_finished: args.max_finished,
         allow_identity: args.allow_identity,
+        resolv_conf: args
+            .resolv_conf
+            .unwrap_or_else(|| Config::default().resolv_conf),
         ..Config::default()
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -23,13 +23,15 @@
 //! length asked for (a guest that sends more is refused with
 //! [`ClientError::Overrun`]), collected exec output and whole-file reads by the caller's
 //! cap, and texts the agent sends (error messages, identity refresh reports) are clipped
-//! to [`MAX_AGENT_TEXT`] bytes. Background processes: a process listing by
+//! to [`MAX_AGENT_TEXT`] bytes (so is the interface name a network configuration
+//! answers). Background processes: a process listing by
 //! [`ClientConfig::max_procs`] (each command clipped), an attach's events one frame at
 //! a time (checked: numbers only go up, chunks of 1 to `MAX_CHUNK` bytes) and, collected,
 //! by the caller's cap.
 
 mod exec;
 mod files;
+mod net;
 mod ports;
 mod procs;
 

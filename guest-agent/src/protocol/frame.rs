@@ -249,6 +249,25 @@ mod tests {
                 }
                 .into(),
             ),
+            (
+                12,
+                NetConfigure {
+                    mac: [0x02, 0, 0, 0, 0, 1],
+                    address: [10, 0, 0, 2],
+                    prefix_len: 24,
+                    gateway: Some([10, 0, 0, 1]),
+                    dns: vec![[10, 0, 0, 1], [1, 1, 1, 1]],
+                    interface: Some("eth0".into()),
+                }
+                .into(),
+            ),
+            (
+                12,
+                NetConfigured {
+                    interface: "eth0".into(),
+                }
+                .into(),
+            ),
         ]
     }
 

@@ -208,6 +208,32 @@ pub struct PortConnect {
     pub port: u16,
 }
 
+/// Configures a guest network interface: its MAC address, one IPv4 address, the
+/// default route and the resolver; answered by [`NetConfigured`]. Everything is
+/// checked before anything changes (a bad value is `BadRequest`, an interface that does
+/// not exist `NotFound`); a step that fails is `Io`, naming the step. It changes the
+/// machine the agent runs on: refused with `Forbidden` unless the agent runs with
+/// `--allow-identity`. An agent older than this request answers `UnknownKind`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfigure {
+    /// A unicast Ethernet address (the low bit of the first byte clear), not all zeroes.
+    pub mac: [u8; 6],
+    /// The IPv4 address, in network order (`[10, 0, 0, 2]` is 10.0.0.2).
+    pub address: [u8; 4],
+    /// Length of the subnet prefix: 1 to 30.
+    pub prefix_len: u8,
+    /// Default route through this router (within the subnet), replacing every other
+    /// default route. If absent, no default route is added (and none through this
+    /// interface is left: it goes down and up).
+    pub gateway: Option<[u8; 4]>,
+    /// At most [`MAX_NET_DNS`](super::MAX_NET_DNS) name servers written to
+    /// `/etc/resolv.conf`, replacing it; left as it is if empty.
+    pub dns: Vec<[u8; 4]>,
+    /// The interface (at most [`MAX_IFNAME`](super::MAX_IFNAME) bytes, no `/`); the
+    /// first non-loopback interface of `/sys/class/net`, by name, if absent.
+    pub interface: Option<String>,
+}
+
 // ---------------------------------------------------------------- answers and events
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -216,7 +242,8 @@ pub struct Pong {
     pub agent_version: String,
     pub protocol: u16,
     pub max_payload: u32,
-    /// The agent accepts [`Identity`].
+    /// The agent accepts [`Identity`] (and [`NetConfigure`], which the same permission
+    /// gates).
     pub identity_allowed: bool,
 }
 
@@ -441,6 +468,13 @@ pub struct IdentityDone {
     pub errors: Vec<String>,
 }
 
+/// The answer to [`NetConfigure`]: it was applied whole.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfigured {
+    /// The interface configured (the one chosen, when the request named none).
+    pub interface: String,
+}
+
 macro_rules! messages {
     ($($variant:ident = $code:literal,)*) => {
         /// Every message, by kind.
@@ -521,6 +555,7 @@ messages! {
     Rename = 0x0118,
     Identity = 0x0120,
     PortConnect = 0x0130,
+    NetConfigure = 0x0140,
     Pong = 0x0201,
     ErrorMsg = 0x0202,
     Done = 0x0203,
@@ -538,6 +573,7 @@ messages! {
     ProcExit = 0x020f,
     Gap = 0x0210,
     Procs = 0x0211,
+    NetConfigured = 0x0212,
 }
 
 impl ErrorMsg {

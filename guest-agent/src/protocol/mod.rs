@@ -42,6 +42,10 @@ pub const DEFAULT_MAX_FINISHED: usize = 64;
 pub const DEFAULT_VSOCK_PORT: u32 = 1024;
 /// Bytes of entropy an identity refresh carries.
 pub const IDENTITY_ENTROPY_LEN: usize = 64;
+/// Most name servers a [`NetConfigure`] may carry.
+pub const MAX_NET_DNS: usize = 4;
+/// Longest network interface name, in bytes (Linux's `IFNAMSIZ` less its NUL).
+pub const MAX_IFNAME: usize = 15;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {

@@ -10,6 +10,7 @@
 
 mod exec;
 mod files;
+mod net;
 mod ports;
 mod procs;
 mod ring;
@@ -55,8 +56,12 @@ pub struct Config {
     pub max_finished: usize,
     /// Most connections served at once; more are closed on accept.
     pub max_connections: usize,
-    /// Accept identity refresh (only the agent started by PID 1 in a VM sets this).
+    /// Accept the requests that change the machine: identity refresh and network
+    /// configuration (only the agent started by PID 1 in a VM sets this).
     pub allow_identity: bool,
+    /// The resolver configuration `NetConfigure` replaces: `/etc/resolv.conf` but in
+    /// tests (an agent run on the host, in a network namespace of its own).
+    pub resolv_conf: PathBuf,
 }
 
 impl Default for Config {
@@ -70,6 +75,7 @@ impl Default for Config {
             max_finished: DEFAULT_MAX_FINISHED,
             max_connections: 1024,
             allow_identity: false,
+            resolv_conf: PathBuf::from("/etc/resolv.conf"),
         }
     }
 }
@@ -330,6 +336,23 @@ impl Server {
                     match tokio::task::spawn_blocking(move || identity::refresh(&req)).await {
                         Ok(Ok(done)) => done.into(),
                         Ok(Err(e)) => ErrorMsg::new(ErrorCode::BadRequest, e.to_string()).into(),
+                        Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
+                    };
+                write_frame(w, id, &answer).await
+            }
+            Message::NetConfigure(req) => {
+                if !sh.config.allow_identity {
+                    let why =
+                        "Network configuration is disabled: the agent runs without --allow-identity";
+                    return reply_error(w, id, ErrorCode::Forbidden, why).await;
+                }
+                let resolv_conf = sh.config.resolv_conf.clone();
+                let answer =
+                    match tokio::task::spawn_blocking(move || net::configure(&req, &resolv_conf))
+                        .await
+                    {
+                        Ok(Ok(done)) => done.into(),
+                        Ok(Err(e)) => e.into(),
                         Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
                     };
                 write_frame(w, id, &answer).await

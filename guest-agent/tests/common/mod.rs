@@ -15,6 +15,7 @@ pub struct Agent {
     pub root: PathBuf,
     pub sock: PathBuf,
     extra: Vec<String>,
+    wrapper: Vec<String>,
 }
 
 impl Agent {
@@ -23,18 +24,27 @@ impl Agent {
     }
 
     pub fn start_with(extra: &[&str]) -> Agent {
+        Agent::start_wrapped(&[], extra)
+    }
+
+    /// Starts the agent with `extra` arguments, as the last argument of the
+    /// `wrapper` command (say `ip netns exec NS`, which runs it in a network
+    /// namespace).
+    pub fn start_wrapped(wrapper: &[&str], extra: &[&str]) -> Agent {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         std::fs::create_dir(&root).unwrap();
         let sock = dir.path().join("agent.sock");
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let child = spawn(&sock, &root, &extra);
+        let wrapper: Vec<String> = wrapper.iter().map(|s| s.to_string()).collect();
+        let child = spawn(&wrapper, &sock, &root, &extra);
         let agent = Agent {
             child,
             dir,
             root,
             sock,
             extra,
+            wrapper,
         };
         wait_for_socket(&agent.sock);
         agent
@@ -57,7 +67,7 @@ impl Agent {
     /// Starts the agent again on the same socket and root.
     pub fn restart(&mut self) {
         self.kill();
-        self.child = spawn(&self.sock, &self.root, &self.extra);
+        self.child = spawn(&self.wrapper, &self.sock, &self.root, &self.extra);
         wait_for_socket(&self.sock);
     }
 }
@@ -68,10 +78,18 @@ impl Drop for Agent {
     }
 }
 
-fn spawn(sock: &Path, root: &Path, extra: &[String]) -> Child {
+fn spawn(wrapper: &[String], sock: &Path, root: &Path, extra: &[String]) -> Child {
     let _ = std::fs::remove_file(sock);
-    Command::new(env!("CARGO_BIN_EXE_sprout-agent"))
-        .arg("--listen-unix")
+    let agent = env!("CARGO_BIN_EXE_sprout-agent");
+    let mut cmd = match wrapper.split_first() {
+        Some((program, args)) => {
+            let mut c = Command::new(program);
+            c.args(args).arg(agent);
+            c
+        }
+        None => Command::new(agent),
+    };
+    cmd.arg("--listen-unix")
         .arg(sock)
         .arg("--root")
         .arg(root)
