@@ -5,7 +5,8 @@
 # it gets. Cached by content in ${SPROUT_CACHE:-$HOME/.cache/sprout}/lab-<hash>/
 # (linked as .../lab):
 #   vmlinuz       Debian's linux-image-cloud-amd64 kernel
-#   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass and virtio modules, sprout
+#   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass, virtio and network
+#                 (tun, veth, nftables NAT and conntrack) modules, sprout
 #                 (release build and its shared libraries), mkfs.ext4 (and its
 #                 libraries and mke2fs.conf: a lab sproutd converts OCI images),
 #                 the test guest and the guest kernel
@@ -57,9 +58,15 @@ meta=linux-image-cloud-amd64
 pkg=$(apt-cache depends "$meta" 2>/dev/null | awk '/Depends: linux-image-/ && !n++ { print $2 }')
 # Modules the lab loads (KVM; virtio-blk over PCI for the images and data
 # disks; virtio-net for sproutd's port when it is served from the lab, see
-# service/src/daemon/lab.rs); their load order comes from the modules' own
-# depends= lists. The set is part of the outer kernel's cache key.
+# service/src/daemon/lab.rs; each sandbox's network as sproutd makes it: TAP
+# devices, veth pairs into network namespaces (built in), and an nftables
+# inet table with masquerade and conntrack state); their load order comes
+# from the modules' own depends= lists. One the kernel has built in
+# (modules.builtin; Debian's cloud kernel has crc32c_generic, which
+# libcrc32c asks the crypto API for) is skipped. The set is part of the
+# outer kernel's cache key.
 modules="kvm-amd kvm irqbypass virtio_blk virtio virtio_ring virtio_pci virtio_pci_legacy_dev virtio_pci_modern_dev virtio_net net_failover failover"
+modules+=" tun veth nfnetlink nf_tables nft_chain_nat nft_masq nft_ct nf_nat nf_conntrack nf_defrag_ipv4 nf_defrag_ipv6 libcrc32c crc32c_generic"
 mkey=$(echo "$modules" | sha | cut -c1-8)
 if [ -n "$pkg" ]; then
   ver=$(apt-cache show --no-all-versions "$pkg" | awk '/^Version:/ && !n++ { print $2 }')
@@ -82,9 +89,21 @@ if [ ! -f "$outer/vmlinuz" ]; then
   release=$(ls "$tmp/x/lib/modules")
   mkdir -p "$tmp/out/modules"
   cp "$tmp/x/boot/vmlinuz-$release" "$tmp/out/vmlinuz"
+  # The kernel's built-in modules, by name (- and _ are the same to it).
+  [ -f "$tmp/x/lib/modules/$release/modules.builtin" ] || die "$pkg has no modules.builtin"
+  builtin=" $(sed 's|.*/||; s|\.ko$||; s|-|_|g' "$tmp/x/lib/modules/$release/modules.builtin" | tr '\n' ' ') "
+  is_builtin() { case "$builtin" in *" ${1//-/_} "*) true ;; *) false ;; esac; }
+  # The modules to load: those of the set the kernel does not have built in.
+  load=
+  built=
   for m in $modules; do
     f=$(find "$tmp/x/lib/modules/$release" -name "$m.ko*" -print -quit)
-    [ -n "$f" ] || die "$pkg has no module $m"
+    if [ -z "$f" ]; then
+      is_builtin "$m" || die "$pkg has no module $m (neither a .ko nor in modules.builtin)"
+      built="$built $m"
+      continue
+    fi
+    load="$load $m"
     case "$f" in
       *.ko) cp "$f" "$tmp/out/modules/$m.ko" ;;
       *.ko.xz) xz -dc "$f" >"$tmp/out/modules/$m.ko" ;;
@@ -100,15 +119,17 @@ if [ ! -f "$outer/vmlinuz" ]; then
   done
   # Dependencies first.
   order=
-  left=$modules
+  left=$load
   while [ -n "$left" ]; do
     next=
     for m in $left; do
       deps=$(grep -a -o -m1 'depends=[[:print:]]*' "$tmp/out/modules/$m.ko" | cut -d= -f2- | tr ',' ' ')
       ready=1
       for d in $deps; do
+        # (A built-in one is there from boot.)
+        if is_builtin "$d"; then continue; fi
         d=${d//_/-}
-        case " ${modules//_/-} " in *" $d "*) ;; *) die "$m needs module $d, which the lab does not load" ;; esac
+        case " ${load//_/-} " in *" $d "*) ;; *) die "$m needs module $d, which the lab does not load" ;; esac
         case " ${order//_/-} " in *" $d "*) ;; *) ready=0 ;; esac
       done
       if [ "$ready" = 1 ]; then order="$order $m"; else next="$next $m"; fi
@@ -117,12 +138,14 @@ if [ ! -f "$outer/vmlinuz" ]; then
     left=$next
   done
   echo $order >"$tmp/out/modules/order"
+  echo $built >"$tmp/out/modules/builtin"
   echo "$release" >"$tmp/out/release"
   rm -rf "$outer"
   mv "$tmp/out" "$outer"
   rm -rf "$tmp"
 fi
 say "outer kernel: $pkg $ver ($(cat "$outer/release"))"
+say "modules: $(cat "$outer/modules/order"); built in: $(cat "$outer/modules/builtin" 2>/dev/null)"
 
 # --- 2. What runs inside: guest kernel, images, sprout, the test guest ------
 vmlinux=${SPROUT_GUEST_KERNEL:-$("$root/guest/build-kernel.sh")}
