@@ -6,7 +6,7 @@
 # lab takes the current Debian cloud kernel package.
 set -euo pipefail
 pkgs=(linux-source-6.12 build-essential bc bison flex libelf-dev libssl-dev cpio xz-utils
-  zstd e2fsprogs busybox-static mmdebstrap qemu-system-x86 binutils ca-certificates iproute2
+  zstd e2fsprogs busybox-static mmdebstrap qemu-system-x86 binutils ca-certificates iproute2 nftables
   libclang-dev) # libclang: userfaultfd-sys (snapshot's uffd backend) runs bindgen
 missing=()
 for p in "${pkgs[@]}"; do

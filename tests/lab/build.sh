@@ -5,11 +5,13 @@
 # it gets. Cached by content in ${SPROUT_CACHE:-$HOME/.cache/sprout}/lab-<hash>/
 # (linked as .../lab):
 #   vmlinuz       Debian's linux-image-cloud-amd64 kernel
-#   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass, virtio and network
-#                 (tun, veth, nftables NAT and conntrack) modules, sprout
-#                 (release build and its shared libraries), mkfs.ext4 (and its
-#                 libraries and mke2fs.conf: a lab sproutd converts OCI images),
-#                 the test guest and the guest kernel
+#   initrd.cpio   busybox, /init, kvm/kvm-amd/irqbypass, virtio, and the
+#                 network modules (tun, veth, nftables NAT and conntrack),
+#                 sprout (release build and its shared libraries), mkfs.ext4
+#                 (and its libraries and mke2fs.conf: a lab sproutd converts
+#                 OCI images), iproute2's ip and nft (and their libraries: a
+#                 lab sproutd gives each sandbox a network), the test guest
+#                 and the guest kernel
 #   images.ext4   the guest images (test, default, scratch) and the static
 #                 agent OCI conversions add, attached read-only as the outer
 #                 VM's virtio disk and mounted at /opt/sprout/images
@@ -45,6 +47,11 @@ done
 for tool in apt-get apt-cache dpkg-deb cpio mkfs.ext4 qemu-system-x86_64; do
   command -v "$tool" >/dev/null ||
     die "$tool is missing: apt-get install --no-install-recommends qemu-system-x86 cpio e2fsprogs"
+done
+# A host tool that may live in an sbin directory (not on every user's PATH).
+host_tool() { PATH=/usr/sbin:/sbin:$PATH command -v "$1"; }
+for tool in ip nft; do
+  host_tool "$tool" >/dev/null || die "$tool is missing: apt-get install --no-install-recommends iproute2 nftables"
 done
 [ -x /bin/busybox ] || die "busybox is missing: apt-get install busybox-static"
 mkdir -p "$cache"
@@ -172,9 +179,17 @@ testguest=$(printf '%s\n' "$json" | grep -o '"TESTGUEST_PATH","[^"]*"' | tail -1
 mkfs=$(command -v mkfs.ext4)
 agent=$cache/images/.sprout-agent.stripped
 [ -f "$agent" ] || die "no guest agent at $agent (guest/build-images.sh builds it)"
-# Every shared object sprout and mkfs.ext4 load, the dynamic loader included
-# (absolute paths).
-libs=$({ ldd "$sprout"; ldd "$mkfs"; } | grep -o '/[^ ]*' | sort -u)
+# Sandbox networks in a lab sproutd: iproute2's ip (network namespaces, veth,
+# TAP, -batch, -n: busybox's applet has none of them) and nft. Both go in as
+# /usr/sbin/{ip,nft}, ahead of busybox's applets on the lab's PATH (and
+# linked from /sbin and /bin, where busybox --install would otherwise put
+# its ip).
+ipbin=$(readlink -f "$(host_tool ip)")
+nftbin=$(readlink -f "$(host_tool nft)")
+"$ipbin" -V 2>/dev/null | grep -q iproute2 || die "$ipbin is not iproute2's ip: apt-get install iproute2"
+# Every shared object sprout, mkfs.ext4, ip and nft load, the dynamic loader
+# included (absolute paths).
+libs=$({ ldd "$sprout"; ldd "$mkfs"; ldd "$ipbin"; ldd "$nftbin"; } | grep -o '/[^ ]*' | sort -u)
 # The CA certificates, as on any host: the lab's sproutd sets up TLS for
 # every registry pull (even a plain-HTTP loopback one) and cannot without.
 cacerts=/etc/ssl/certs/ca-certificates.crt
@@ -184,7 +199,8 @@ cacerts=/etc/ssl/certs/ca-certificates.crt
 key=$( {
   echo "$pkg $ver"
   # shellcheck disable=SC2086
-  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" "$mkfs" /etc/mke2fs.conf "$agent" "$cacerts" $libs
+  sha "$0" "$here/init" /bin/busybox "$sprout" "$testguest" "$vmlinux" "$mkfs" /etc/mke2fs.conf "$agent" "$cacerts" \
+    "$ipbin" "$nftbin" $libs
   for n in "${images[@]}"; do echo "$n ${image_path[$n]}"; done
 } | sha | cut -c1-16)
 lab=$cache/lab-$key
@@ -201,13 +217,21 @@ tmps+=("$tmp")
 chmod 0755 "$tmp"
 say "assembling the initramfs"
 ird=$tmp/initrd
-mkdir -p "$ird"/{bin,dev,proc,sys,tmp,etc,usr/sbin,lib/modules,opt/sprout/bin,opt/sprout/images,lab}
+mkdir -p "$ird"/{bin,sbin,dev,proc,sys,tmp,run,var,etc,usr/sbin,lib/modules,opt/sprout/bin,opt/sprout/images,lab}
 cp /bin/busybox "$ird/bin/busybox"
 install -m 0755 "$here/init" "$ird/init"
 cp "$outer"/modules/*.ko "$ird/lib/modules/"
 cp "$outer/modules/order" "$ird/lib/modules/order"
 strip -o "$ird/opt/sprout/bin/sprout" "$sprout"
 cp -L "$mkfs" "$ird/usr/sbin/mkfs.ext4"
+cp -L "$ipbin" "$ird/usr/sbin/ip"
+cp -L "$nftbin" "$ird/usr/sbin/nft"
+ln -s ../usr/sbin/ip "$ird/sbin/ip"
+ln -s ../usr/sbin/ip "$ird/bin/ip"
+ln -s ../usr/sbin/nft "$ird/sbin/nft"
+# ip netns add makes /run/netns (one level: /run must be there); some tools
+# still name /var/run.
+ln -s ../run "$ird/var/run"
 cp /etc/mke2fs.conf "$ird/etc/mke2fs.conf"
 mkdir -p "$ird/etc/ssl/certs"
 cp -L "$cacerts" "$ird/etc/ssl/certs/ca-certificates.crt"

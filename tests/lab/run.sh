@@ -6,6 +6,8 @@
 #   SCRIPT     a shell script (or - for stdin), run as /lab/script.sh with sh
 #              (busybox) in /tmp of the outer VM; PATH has sprout, and
 #              SPROUT_CACHE=/opt/sprout holds vmlinux, testguest and images/
+#              (busybox's sh runs its own applets before anything on PATH:
+#              iproute2's ip is /usr/sbin/ip by name)
 #   FILE...    extra files, copied to /lab/ beside the script
 #   --timeout  host-time limit in seconds (default 600): the outer VM runs on an
 #              emulated CPU, its own clock under-reports
