@@ -246,6 +246,9 @@ pub struct CreateArgs {
     /// Put it to sleep after this many seconds without a call.
     #[arg(long, value_name = "SECS")]
     pub idle_timeout: Option<i64>,
+    /// No egress at all (`disableInternet`): exec, files and ports still work.
+    #[arg(long)]
+    pub no_internet: bool,
 }
 
 #[derive(Args)]
@@ -455,6 +458,9 @@ fn run(conn: &Conn, cmd: SandboxCmd) -> Result<ExitCode, Failure> {
             }
             if let Some(t) = a.idle_timeout {
                 put("idleTimeoutSecs", json!(t));
+            }
+            if a.no_internet {
+                put("disableInternet", json!(true));
             }
             if !a.meta.is_empty() {
                 put("metadata", json!(to_map(a.meta)));
@@ -1741,6 +1747,7 @@ fn vm_detail(v: &Value) -> String {
         ("parent", "parentVmId"),
         ("from snapshot", "snapshotId"),
         ("idle timeout s", "idleTimeoutSecs"),
+        ("no internet", "disableInternet"),
         ("worker pid", "workerPid"),
         ("failure", "failureReason"),
     ] {

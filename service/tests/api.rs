@@ -1155,7 +1155,7 @@ async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
     assert_eq!(names(&root), want);
     assert_eq!(
         names(&root.join("dev")),
-        ["kvm", "null", "urandom", "userfaultfd"]
+        ["kvm", "net", "null", "urandom", "userfaultfd"]
     );
     let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap());
     // Of the sandbox's directory only vm/ (no control link, console or

@@ -82,10 +82,12 @@ fn a_sandbox_lifecycle_through_the_cli() {
             "team=infra",
             "--meta",
             "run=cli",
+            "--no-internet",
         ],
     );
     assert_eq!(v["state"], "running", "{v}");
     assert_eq!(v["metadata"]["team"], "infra", "{v}");
+    assert_eq!(v["disableInternet"], true, "{v}");
     let id = v["vmId"].as_str().unwrap().to_owned();
 
     // A table for people: a header and the sandbox's row.

@@ -47,6 +47,7 @@ pub fn router(data_dir: &Path) -> Result<axum::Router, DaemonError> {
         mirror: None,
         downloads: Default::default(),
         retention: (0, 0),
+        network: super::net::Network::off("an in-process router runs no guests"),
     });
     Ok(routes::router(app, &ExecLimitArgs::default()))
 }

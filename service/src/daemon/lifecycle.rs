@@ -1011,7 +1011,10 @@ impl App {
         if linux {
             let mut live = s.clone();
             live.vsock_socket = vsock;
-            let r = self.ready_agent(&live, &sock, identity).await;
+            let r = match self.attach_network(s, pid).await {
+                Ok(lease) => self.ready_agent(&live, &sock, identity, lease).await,
+                Err(e) => Err(e),
+            };
             if let Err(e) = r {
                 let child = lock(&self.children).remove(&id);
                 let (a, row) = (self.clone(), live.clone());
@@ -1028,13 +1031,47 @@ impl App {
         Ok(())
     }
 
+    /// Joins the network namespace of `s`'s new worker `pid` to the host
+    /// (see [`super::net`]), if sandboxes have networks here.
+    async fn attach_network(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        pid: u32,
+    ) -> Result<Option<super::net::Lease>, ApiError> {
+        if !self.supervisor.net {
+            return Ok(None);
+        }
+        let (a, id, internet) = (self.clone(), s.id, !s.disable_internet);
+        let t = Instant::now();
+        let lease = self
+            .blocking(move || {
+                a.network.attach(id, pid, internet).map_err(|e| {
+                    ApiError::new(
+                        Code::BootFailed,
+                        format!("Cannot give the sandbox its network: {e}"),
+                    )
+                })
+            })
+            .await?;
+        tracing::debug!(
+            vm = %s.id,
+            "network attached in {} ms: {} on {}",
+            t.elapsed().as_millis(),
+            lease.address,
+            lease.mac_string()
+        );
+        Ok(Some(lease))
+    }
+
     /// Waits for the agent of `s`; with `identity`, re-identifies its
-    /// guest and records its host name.
+    /// guest and records its host name; with `lease`, tells the guest its
+    /// network (its MAC, address, route and resolvers).
     async fn ready_agent(
         self: &Arc<Self>,
         s: &Sandbox,
         sock: &std::path::Path,
         identity: Option<(u64, Option<String>)>,
+        lease: Option<super::net::Lease>,
     ) -> Result<(), ApiError> {
         let agent = self
             .agent(s)
@@ -1068,6 +1105,22 @@ impl App {
             }
             let id = s.id;
             self.db(move |r| r.set_hostname(id, &hostname)).await?;
+        }
+        if let Some(l) = lease {
+            let req = guest_agent::protocol::NetConfigure {
+                mac: l.mac,
+                address: l.address.octets(),
+                prefix_len: l.prefix_len,
+                gateway: l.gateway.map(|g| g.octets()),
+                dns: l.dns.iter().map(|d| d.octets()).collect(),
+                interface: None,
+            };
+            agent.net_configure(req).await.map_err(|e| {
+                ApiError::new(
+                    Code::AgentUnavailable,
+                    format!("The guest could not be given its network: {}", chain(&e)),
+                )
+            })?;
         }
         tracing::debug!(
             vm = %s.id,

@@ -20,6 +20,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod mirror;
+mod net;
 mod oci_images;
 pub mod openapi;
 mod pool;
@@ -120,6 +121,11 @@ pub struct DaemonArgs {
     /// template, a fork or a wake does not wait for one (0: none).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=16))]
     pub ready_workers: u16,
+    /// Give sandboxes no network device (by default each gets one, with
+    /// NAT egress unless `disableInternet`, where the host allows:
+    /// docs/api.md, "Network").
+    #[arg(long)]
+    pub no_network: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +195,8 @@ pub struct App {
     downloads: mirror::Downloads,
     /// Retention of user snapshots: (newest kept, days kept; 0: no limit).
     retention: (u32, u32),
+    /// Sandboxes' networks (or why they have none).
+    network: net::Network,
 }
 
 /// Locks `m`, whatever a panicking holder left (every value here stays
@@ -460,9 +468,18 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         lab: lab_hosted,
     };
     let cmd = crate::control::worker_command().map_err(DaemonError::Worker)?;
+    let mut supervisor = Supervisor::new(cmd, &data_dir, !args.no_jail);
+    // Only Linux guests have a network device: a host that runs only the
+    // test guest changes nothing of its own network.
+    let network = if host.linux_guests {
+        net::Network::start(supervisor.jailed(), !args.no_network)
+    } else {
+        net::Network::off("this host runs only the test guest, which has no network device")
+    };
+    supervisor.net = network.enabled();
     let app = Arc::new(App {
         registry: Mutex::new(registry),
-        supervisor: Supervisor::new(cmd, &data_dir, !args.no_jail),
+        supervisor,
         images,
         oci: Arc::new(oci_images::Pulls::new(&crate::linux::cache_dir())),
         host,
@@ -478,6 +495,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         mirror,
         downloads: Default::default(),
         retention: (args.store.keep_snapshots, args.store.keep_days),
+        network,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -518,7 +536,16 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
                  guest runs here"
             ),
         }
-        tracing::info!("{}", routes::NO_EGRESS);
+        match app.network.unavailable() {
+            None => tracing::info!(
+                "sandboxes get a network: each its own namespace, TAP and address, NAT egress \
+                 unless disableInternet (docs/api.md, \"Network\")"
+            ),
+            Some(why) => tracing::warn!(
+                "sandboxes run without a network device: {why}; guest ports are still served \
+                 through the agent (POST /v1/runtime/vms/{{id}}/ports)"
+            ),
+        }
         tracing::info!(data_dir = %app.data_dir.display(), "listening on http://{addr}");
         if app.host.lab {
             // The host's sproutd prints the banner with its own address.

@@ -323,15 +323,11 @@ struct NetworkView {
     egress: bool,
     /// Whether guest ports are served (`POST /vms/{id}/ports`).
     ports: bool,
-    /// What is missing, when something is.
+    /// Why sandboxes have no network here, when they have none (they run
+    /// without one; guest ports are still served, through the agent).
     #[schema(required = true)]
-    reason: Option<&'static str>,
+    reason: Option<String>,
 }
-
-/// Why sandboxes have no egress (said at start-up too).
-pub const NO_EGRESS: &str = "sproutd gives sandboxes no network device yet: they have no \
-    egress, whatever disableInternet says; guest ports are served through the agent \
-    (POST /v1/runtime/vms/{id}/ports)";
 
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -412,9 +408,9 @@ async fn info(
             execs_in_flight: limits.tenant_in_flight(caller.name()),
         },
         network: NetworkView {
-            egress: false,
+            egress: app.network.enabled(),
             ports: true,
-            reason: Some(NO_EGRESS),
+            reason: app.network.unavailable().map(str::to_owned),
         },
     }))
 }
@@ -1077,6 +1073,7 @@ async fn delete(app: Arc<App>, vm: Uuid) -> Result<(), ApiError> {
     })
     .await?;
     app.lifecycle.forget(vm);
+    app.network.release(vm);
     app.collect_garbage().await;
     Ok(())
 }

@@ -195,6 +195,8 @@ impl Supervisor {
                 vsock_uds: Some(vsock.clone()),
                 instance_id: Some(instance_id),
                 prefetch: false,
+                // A snapshot with no network device ignores it.
+                net: self.net_config(s.id),
             };
             let r = match worker.client.call(&Request::Restore(spec)) {
                 Ok(Response::Ok) => worker.client.describe(),

@@ -87,6 +87,9 @@ pub struct Supervisor {
     jails_dir: PathBuf,
     /// `<data dir>/snapshots` (see [`super::store`]).
     snapshots_dir: PathBuf,
+    /// Linux sandboxes' VMs get a network device on their worker's TAP
+    /// (see [`super::net`]).
+    pub(super) net: bool,
 }
 
 impl Supervisor {
@@ -119,7 +122,16 @@ impl Supervisor {
             vms_dir: data_dir.join("vms"),
             jails_dir,
             snapshots_dir: data_dir.join(super::store::SNAPSHOTS_DIR),
+            net: false,
         }
+    }
+
+    /// The network device of sandbox `id`'s VM, if sandboxes have one.
+    pub(super) fn net_config(&self, id: Uuid) -> Option<vmm::config::NetConfig> {
+        self.net.then(|| vmm::config::NetConfig {
+            tap: super::net::TAP.to_string(),
+            mac: super::net::mac_for(id),
+        })
     }
 
     pub fn snapshots_dir(&self) -> &Path {
@@ -186,13 +198,14 @@ impl Supervisor {
                 },
                 ..LinuxRun::new()
             };
-            let cfg = linux::vm_config(&run, &rw).map_err(|e| match e {
+            let mut cfg = linux::vm_config(&run, &rw).map_err(|e| match e {
                 linux::LinuxError::Probe(_)
                 | linux::LinuxError::NoKernel(_)
                 | linux::LinuxError::NoImage { .. }
                 | linux::LinuxError::NoTemplate(_) => BootError::Unsupported(chain(&e)),
                 e => BootError::Failed(chain(&e)),
             })?;
+            cfg.net = self.net_config(s.id);
             (cfg.spec(), GuestKind::Linux)
         };
         if let Some(j) = &self.cmd.jail {
