@@ -118,6 +118,15 @@ async fn sproutd_serves_linux_sandboxes_from_the_lab_and_keeps_its_registry_acro
     assert_eq!(info["hostMode"]["linuxGuests"], true, "{info}");
     assert_eq!(info["execLimits"]["maxExecsPerVm"], 7, "{info}");
     assert_eq!(info["execLimits"]["maxExecs"], 77, "{info}");
+    // Sandboxes there have a network device, but the lab's own network
+    // reaches nothing outside: said, not hidden.
+    assert_eq!(info["network"]["egress"], false, "{info}");
+    assert!(
+        info["network"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("emulated lab")),
+        "{info}"
+    );
     assert!(
         info["hostMode"]["note"]
             .as_str()

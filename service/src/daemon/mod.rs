@@ -472,7 +472,17 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     // Only Linux guests have a network device: a host that runs only the
     // test guest changes nothing of its own network.
     let network = if host.linux_guests {
-        net::Network::start(supervisor.jailed(), !args.no_network)
+        let mut n = net::Network::start(supervisor.jailed(), !args.no_network);
+        if lab_hosted && n.enabled() {
+            // QEMU's restricted user network: nothing outside the host's
+            // forwarded ports (which keeps the host's own services out of
+            // the guests' reach).
+            n.set_no_egress(
+                "served from the emulated lab, whose own network reaches nothing outside: \
+                 sandboxes have a network device and an address, but no egress",
+            );
+        }
+        n
     } else {
         net::Network::off("this host runs only the test guest, which has no network device")
     };
@@ -542,8 +552,8 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
                  unless disableInternet (docs/api.md, \"Network\")"
             ),
             Some(why) => tracing::warn!(
-                "sandboxes run without a network device: {why}; guest ports are still served \
-                 through the agent (POST /v1/runtime/vms/{{id}}/ports)"
+                "sandboxes have no egress: {why}; guest ports are still served through the \
+                 agent (POST /v1/runtime/vms/{{id}}/ports)"
             ),
         }
         tracing::info!(data_dir = %app.data_dir.display(), "listening on http://{addr}");

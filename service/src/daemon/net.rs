@@ -91,6 +91,8 @@ fn host_if(slot: u16) -> String {
 pub struct Network {
     /// Why sandboxes have no network here (None: they have one).
     unavailable: Option<String>,
+    /// Why sandboxes that have one reach nothing outside anyway.
+    no_egress: Option<String>,
     dns: Vec<Ipv4Addr>,
     /// Each sandbox's slot, held until it is deleted.
     slots: Mutex<HashMap<Uuid, u16>>,
@@ -103,6 +105,7 @@ impl Network {
     pub fn off(why: impl Into<String>) -> Network {
         Network {
             unavailable: Some(why.into()),
+            no_egress: None,
             dns: Vec::new(),
             slots: Mutex::new(HashMap::new()),
             attach: Mutex::new(()),
@@ -118,6 +121,7 @@ impl Network {
         match setup(jailed) {
             Ok(()) => Network {
                 unavailable: None,
+                no_egress: None,
                 dns: host_dns(),
                 slots: Mutex::new(HashMap::new()),
                 attach: Mutex::new(()),
@@ -126,13 +130,25 @@ impl Network {
         }
     }
 
+    /// Whether sandboxes get a network device (and their guests an address).
     pub fn enabled(&self) -> bool {
         self.unavailable.is_none()
     }
 
-    /// Why sandboxes have no network, if they have none.
+    /// Whether sandboxes reach outside the host (unless `disableInternet`).
+    pub fn egress(&self) -> bool {
+        self.enabled() && self.no_egress.is_none()
+    }
+
+    /// Sandboxes have their network, but this host's own reaches nothing
+    /// outside: `why`.
+    pub fn set_no_egress(&mut self, why: impl Into<String>) {
+        self.no_egress = Some(why.into());
+    }
+
+    /// Why sandboxes have no network, or no egress, if so.
     pub fn unavailable(&self) -> Option<&str> {
-        self.unavailable.as_deref()
+        self.unavailable.as_deref().or(self.no_egress.as_deref())
     }
 
     /// Joins the network namespace of worker `pid` (which runs sandbox

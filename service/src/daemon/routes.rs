@@ -408,7 +408,7 @@ async fn info(
             execs_in_flight: limits.tenant_in_flight(caller.name()),
         },
         network: NetworkView {
-            egress: app.network.enabled(),
+            egress: app.network.egress(),
             ports: true,
             reason: app.network.unavailable().map(str::to_owned),
         },
