@@ -50,7 +50,13 @@ async fn health_and_info_answer_and_every_answer_has_a_request_id() {
     if !linux {
         let why = info["hostMode"]["reason"].as_str().unwrap();
         assert!(why.contains("cannot run Linux guests"), "{why}");
+        // Only the test guest, which has no network device: this host's
+        // own network is left as it is, and that is said.
+        assert_eq!(info["network"]["egress"], false, "{info}");
+        let why = info["network"]["reason"].as_str().unwrap();
+        assert!(why.contains("only the test guest"), "{why}");
     }
+    assert_eq!(info["network"]["ports"], true, "{info}");
     let images: Vec<&str> = info["images"]
         .as_array()
         .unwrap()

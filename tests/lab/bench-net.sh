@@ -52,7 +52,7 @@ py=$(sed 's/\\/\\\\/g; s/"/\\"/g' "$tmp/bench.py" | awk '{ printf "%s\\n", $0 }'
 
 cat >"$tmp/script.sh" <<EOS
 # iproute2's ip (busybox sh runs its own applet for a bare `ip`).
-ip() { /usr/sbin/ip "$@"; }
+ip() { /usr/sbin/ip "\$@"; }
 ip link set lo up
 ip netns add inet
 ip link add inet-h type veth peer name eth0 netns inet

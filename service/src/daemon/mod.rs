@@ -126,6 +126,11 @@ pub struct DaemonArgs {
     /// docs/api.md, "Network").
     #[arg(long)]
     pub no_network: bool,
+    /// A DNS resolver for sandboxes' guests (repeatable, at most 4; default:
+    /// the host's own non-loopback ones, from /etc/resolv.conf or
+    /// systemd-resolved's upstream list).
+    #[arg(long, value_name = "IPV4")]
+    pub dns: Vec<std::net::Ipv4Addr>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -151,6 +156,8 @@ pub enum DaemonError {
     /// A setting refused, saying why.
     #[error("{0}")]
     Insecure(String),
+    #[error("{0}")]
+    Usage(String),
 }
 
 /// Whether this host can run Linux guests (the VMM's probe).
@@ -435,6 +442,13 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         .map_err(|e| DaemonError::DataDir(data_dir.clone(), e))?;
     let _lock = lock_data_dir(&data_dir)?;
     let lab_hosted = std::env::var_os("SPROUT_LAB_HOSTED").is_some();
+    let max_dns = guest_agent::protocol::MAX_NET_DNS;
+    if args.dns.len() > max_dns {
+        return Err(DaemonError::Usage(format!(
+            "--dns is given {} times: a guest takes at most {max_dns} resolvers",
+            args.dns.len()
+        )));
+    }
     let tenants = match &args.tenants {
         Some(f) => tenants::Tenants::load(f)?,
         // Inside the lab, only the host's forwarded address reaches this
@@ -472,7 +486,7 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
     // Only Linux guests have a network device: a host that runs only the
     // test guest changes nothing of its own network.
     let network = if host.linux_guests {
-        let mut n = net::Network::start(supervisor.jailed(), !args.no_network);
+        let mut n = net::Network::start(supervisor.jailed(), !args.no_network, &args.dns);
         if lab_hosted && n.enabled() {
             // QEMU's restricted user network: nothing outside the host's
             // forwarded ports (which keeps the host's own services out of
@@ -549,7 +563,16 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         match app.network.unavailable() {
             None => tracing::info!(
                 "sandboxes get a network: each its own namespace, TAP and address, NAT egress \
-                 unless disableInternet (docs/api.md, \"Network\")"
+                 unless disableInternet (docs/api.md, \"Network\"); DNS: {}",
+                match app.network.dns() {
+                    [] => "none (the host has only loopback resolvers: give one with --dns)"
+                        .to_string(),
+                    d => d
+                        .iter()
+                        .map(|a| a.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                }
             ),
             Some(why) => tracing::warn!(
                 "sandboxes have no egress: {why}; guest ports are still served through the \

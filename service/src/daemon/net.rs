@@ -114,7 +114,8 @@ impl Network {
 
     /// Checks what sandbox networks need here and sets up the host's side
     /// (forwarding on, the nftables table); says why not where it cannot.
-    pub fn start(jailed: bool, enabled: bool) -> Network {
+    /// Guests resolve names with `dns`, else with the host's resolvers.
+    pub fn start(jailed: bool, enabled: bool, dns: &[Ipv4Addr]) -> Network {
         if !enabled {
             return Network::off("--no-network was given");
         }
@@ -122,12 +123,21 @@ impl Network {
             Ok(()) => Network {
                 unavailable: None,
                 no_egress: None,
-                dns: host_dns(),
+                dns: if dns.is_empty() {
+                    host_dns()
+                } else {
+                    dns.to_vec()
+                },
                 slots: Mutex::new(HashMap::new()),
                 attach: Mutex::new(()),
             },
             Err(why) => Network::off(why),
         }
+    }
+
+    /// The resolvers guests are given.
+    pub fn dns(&self) -> &[Ipv4Addr] {
+        &self.dns
     }
 
     /// Whether sandboxes get a network device (and their guests an address).
@@ -381,10 +391,15 @@ fn default_gateway() -> Option<Ipv4Addr> {
     })
 }
 
-/// The host's resolvers a guest can reach (loopback ones cannot be).
+/// The host's resolvers a guest can reach (loopback ones cannot be): those
+/// of `/etc/resolv.conf`, else, behind systemd-resolved's loopback stub,
+/// the upstream ones it lists.
 fn host_dns() -> Vec<Ipv4Addr> {
-    let s = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
-    parse_resolv(&s)
+    ["/etc/resolv.conf", "/run/systemd/resolve/resolv.conf"]
+        .iter()
+        .map(|p| parse_resolv(&std::fs::read_to_string(p).unwrap_or_default()))
+        .find(|v| !v.is_empty())
+        .unwrap_or_default()
 }
 
 fn parse_resolv(s: &str) -> Vec<Ipv4Addr> {
