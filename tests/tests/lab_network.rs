@@ -49,6 +49,7 @@ c=$(create '{"cpus":1,"memoryMb":256,"disableInternet":true}') && [ -n "$c" ] ||
 echo "vms: $a $b $c"
 echo "c-view: $(api GET /v1/runtime/vms/$c)"
 echo "host-links: $(ls /sys/class/net | tr '\n' ' ')"
+echo "host-alias: $(cat /sys/class/net/sp0/ifalias)"
 echo "host-nft: $(nft list table inet sprout | tr -s '\n\t ' ' ')"
 x $a a-me "$me"
 x $b b-me "$me"
@@ -124,6 +125,10 @@ fn sandboxes_reach_outside_through_nat_and_nothing_else() {
     let info = json(&out, "info:");
     assert_eq!(info["network"]["egress"], true, "{o}");
     assert!(info["network"]["reason"].is_null(), "{o}");
+    // Each host-side interface names its sandbox (the first is A's).
+    let vms = out.values("vms:");
+    let a_id = vms[0].split_whitespace().next().unwrap();
+    assert_eq!(out.values("host-alias:"), [format!("sprout:{a_id}")], "{o}");
     let c_view = json(&out, "c-view:");
     assert_eq!(c_view["disableInternet"], true, "{o}");
 

@@ -164,25 +164,65 @@ impl Network {
     /// Joins the network namespace of worker `pid` (which runs sandbox
     /// `id`'s VM on its `tap0`) to the host: addresses, routes, and unless
     /// `internet` is false a veth pair to the host. Blocking (runs `ip`).
+    ///
+    /// A sandbox keeps its slot across workers. Each host-side interface
+    /// carries its sandbox's id as its alias: the one an earlier worker of
+    /// this sandbox left is deleted, while one of another sandbox (another
+    /// sproutd on this host may have taken the slot meanwhile, or be
+    /// taking it now) sends this one to another slot.
     pub fn attach(&self, id: Uuid, pid: u32, internet: bool) -> Result<Lease, String> {
         let _one = lock(&self.attach);
-        let slot = self.slot(id)?;
         let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
             .map_err(|e| format!("Cannot open the network namespace of worker {pid}: {e}"))?;
-        let host = host_if(slot);
-        // What an earlier worker of this sandbox left (its namespace may
-        // still be going away).
-        if Path::new("/sys/class/net").join(&host).exists() {
-            let _ = ip(None, &[], &format!("link del {host}\n"));
+        let alias = format!("sprout:{id}");
+        let mut last = String::new();
+        for _ in 0..8 {
+            let slot = self.slot(id)?;
+            let host = host_if(slot);
+            let sys = Path::new("/sys/class/net").join(&host);
+            if sys.exists() {
+                let owner = std::fs::read_to_string(sys.join("ifalias")).unwrap_or_default();
+                if owner.trim() != alias {
+                    lock(&self.slots).remove(&id);
+                    continue;
+                }
+                let _ = ip(None, &format!("link del {host}\n"));
+            }
+            match self.join(id, slot, pid, &ns, internet, &alias) {
+                Ok(l) => return Ok(l),
+                Err((true, e)) => {
+                    lock(&self.slots).remove(&id);
+                    last = e;
+                }
+                Err((false, e)) => return Err(e),
+            }
         }
+        Err(format!("No free sandbox network slot was found ({last})"))
+    }
+
+    /// [`attach`](Self::attach) on `slot`; a failure says whether the
+    /// slot's host interface was taken meanwhile (try another).
+    fn join(
+        &self,
+        id: Uuid,
+        slot: u16,
+        pid: u32,
+        ns: &std::fs::File,
+        internet: bool,
+        alias: &str,
+    ) -> Result<Lease, (bool, String)> {
+        let host = host_if(slot);
         let (gw, guest) = (addr(200, slot, 1), addr(200, slot, 2));
         let (vhost, vns) = (addr(201, slot, 1), addr(201, slot, 2));
         if internet {
             ip(
                 None,
-                &[],
-                &format!("link add {host} type veth peer name veth0 netns {pid}\n"),
-            )?;
+                &format!(
+                    "link add {host} type veth peer name veth0 netns {pid}\n\
+                     link set {host} alias {alias}\n"
+                ),
+            )
+            .map_err(|e| (e.contains("File exists"), e))?;
         }
         let mut inside = format!(
             "link set lo up\nlink set {TAP} down\nlink set {TAP} address {GATEWAY_MAC}\n\
@@ -193,17 +233,17 @@ impl Network {
                 "addr add {vns}/30 dev veth0\nlink set veth0 up\nroute add default via {vhost}\n"
             ));
         }
-        ip(Some(&ns), &[], &inside)?;
+        ip(Some(ns), &inside).map_err(|e| (false, e))?;
         if internet {
             ip(
                 None,
-                &[],
                 &format!(
                     "addr add {vhost}/30 dev {host}\nlink set {host} up\n\
                      route add {}/30 via {vns} dev {host}\n",
                     addr(200, slot, 0)
                 ),
-            )?;
+            )
+            .map_err(|e| (false, e))?;
         }
         Ok(Lease {
             slot,
@@ -243,10 +283,9 @@ impl Network {
 
 /// Runs `ip -batch -` on `script`, in the network namespace `ns` if given
 /// (the child joins it before it runs `ip`).
-fn ip(ns: Option<&std::fs::File>, args: &[&str], script: &str) -> Result<(), String> {
+fn ip(ns: Option<&std::fs::File>, script: &str) -> Result<(), String> {
     let mut cmd = Command::new("ip");
-    cmd.args(args)
-        .args(["-batch", "-"])
+    cmd.args(["-batch", "-"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
