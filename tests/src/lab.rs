@@ -63,6 +63,17 @@ impl LabOutput {
             .map(str::trim)
             .collect()
     }
+
+    /// The first line that starts with `prefix`, as JSON (a panic with the
+    /// output if there is none or it is not JSON).
+    pub fn json(&self, prefix: &str) -> serde_json::Value {
+        let v = self.values(prefix);
+        let line = v
+            .first()
+            .unwrap_or_else(|| panic!("no {prefix} line\n{}", self.stdout));
+        serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("{prefix} {line:?}: {e}\n{}", self.stdout))
+    }
 }
 
 /// A script to run in the lab.

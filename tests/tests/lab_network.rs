@@ -81,14 +81,6 @@ x $a a-woken-out "$fetch http://198.51.100.2/"
 grep -i 'network\|error' /tmp/sd.log | tail -20 | sed 's/^/log: /'
 "#;
 
-fn json(out: &lab::LabOutput, prefix: &str) -> Value {
-    let v = out.values(prefix);
-    let s = v
-        .first()
-        .unwrap_or_else(|| panic!("no {prefix} line\n{}", out.stdout));
-    serde_json::from_str(s).unwrap_or_else(|e| panic!("{prefix} {s}: {e}\n{}", out.stdout))
-}
-
 /// An exec's answer: (exit code, stdout, stderr).
 fn exec(out: &lab::LabOutput, prefix: &str) -> Vec<(i64, String, String)> {
     out.values(prefix)
@@ -122,14 +114,14 @@ fn sandboxes_reach_outside_through_nat_and_nothing_else() {
     out.assert_success();
     let o = &out.stdout;
     eprintln!("{o}");
-    let info = json(&out, "info:");
+    let info = out.json("info:");
     assert_eq!(info["network"]["egress"], true, "{o}");
     assert!(info["network"]["reason"].is_null(), "{o}");
     // Each host-side interface names its sandbox (the first is A's).
     let vms = out.values("vms:");
     let a_id = vms[0].split_whitespace().next().unwrap();
     assert_eq!(out.values("host-alias:"), [format!("sprout:{a_id}")], "{o}");
-    let c_view = json(&out, "c-view:");
+    let c_view = out.json("c-view:");
     assert_eq!(c_view["disableInternet"], true, "{o}");
 
     let outside = "hello from outside";

@@ -231,14 +231,6 @@ kill $daemon; wait $daemon
 echo "lim-daemon-exit: $?"
 "#;
 
-fn json(out: &lab::LabOutput, prefix: &str) -> Value {
-    let v = out.values(prefix);
-    let line = v
-        .first()
-        .unwrap_or_else(|| panic!("no {prefix} line\n{}", out.stdout));
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("{prefix} {line:?}: {e}\n{}", out.stdout))
-}
-
 /// SSE events (name, data, id) from the stream's lines, in order.
 fn sse_events(lines: &[&str]) -> Vec<(String, String, String)> {
     let mut events = Vec::new();
@@ -271,9 +263,9 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         .run();
     out.assert_success();
     let o = &out.stdout;
-    let info = json(&out, "info:");
+    let info = out.json("info:");
     assert_eq!(info["hostMode"]["linuxGuests"], true, "{o}");
-    let s = json(&out, "scheduled:");
+    let s = out.json("scheduled:");
     assert_eq!(s["state"], "running", "{o}");
     assert_eq!(s["image"], "default", "{o}");
     let id = s["vmId"].as_str().unwrap();
@@ -302,26 +294,26 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     want.sort_unstable();
     assert_eq!(mounts, want, "{o}");
 
-    let py = json(&out, "python:");
+    let py = out.json("python:");
     assert_eq!(py["stdout"], "1267650600228229401496703205376\n", "{o}");
     assert_eq!(py["exitCode"], 0, "{o}");
     assert_eq!(py["timedOut"], false, "{o}");
     assert_eq!(py["stdoutBase64"], false, "{o}");
 
-    let sh = json(&out, "shell:");
+    let sh = out.json("shell:");
     assert_eq!(sh["stdout"], "from-env\nfed", "{o}");
     assert_eq!(sh["stderr"], "oops\n", "{o}");
     assert_eq!(sh["exitCode"], 3, "{o}");
 
-    let bin = json(&out, "binary:");
+    let bin = out.json("binary:");
     assert_eq!(bin["stdoutBase64"], true, "{o}");
     assert_eq!(bin["stdout"], "/w==", "{o}");
 
-    let t = json(&out, "timeout:");
+    let t = out.json("timeout:");
     assert_eq!(t["timedOut"], true, "{o}");
     assert_eq!(t["signal"], 9, "{o}");
 
-    let list = json(&out, "list:");
+    let list = out.json("list:");
     assert_eq!(list["vms"].as_array().unwrap().len(), 1, "{o}");
     assert_eq!(list["vms"][0]["vmId"], id, "{o}");
 
@@ -347,16 +339,16 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(exit["exitCode"], 7, "{o}");
 
     // Files.
-    assert_eq!(json(&out, "mkdir:")["created"], true, "{o}");
-    assert_eq!(json(&out, "put:")["bytes"], "héllo wörld".len(), "{o}");
+    assert_eq!(out.json("mkdir:")["created"], true, "{o}");
+    assert_eq!(out.json("put:")["bytes"], "héllo wörld".len(), "{o}");
     assert_eq!(out.values("get:"), ["héllo wörld"], "{o}");
-    let ls = json(&out, "ls:");
+    let ls = out.json("ls:");
     assert_eq!(ls["entries"][0]["name"], "hello.txt", "{o}");
     assert_eq!(ls["entries"][0]["type"], "file", "{o}");
     assert_eq!(ls["entries"][0]["size"], "héllo wörld".len(), "{o}");
-    assert_eq!(json(&out, "put-1m:")["bytes"], 1 << 20, "{o}");
+    assert_eq!(out.json("put-1m:")["bytes"], 1 << 20, "{o}");
     assert_eq!(
-        json(&out, "put-1m1:")["error"]["code"],
+        out.json("put-1m1:")["error"]["code"],
         "payload_too_large",
         "{o}"
     );
@@ -374,11 +366,11 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         assert_eq!(v["error"]["code"], "path_escape", "{e}\n{o}");
     }
     assert_eq!(
-        json(&out, "missing:")["error"]["code"],
+        out.json("missing:")["error"]["code"],
         "file_not_found",
         "{o}"
     );
-    assert_eq!(json(&out, "raw-put:")["bytes"], 64 << 20, "{o}");
+    assert_eq!(out.json("raw-put:")["bytes"], 64 << 20, "{o}");
     let sha = out.values("raw-sha:");
     let sha: Vec<&str> = sha[0].split_whitespace().collect();
     assert_eq!(sha.len(), 3, "{o}");
@@ -386,14 +378,14 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     // 64 MiB and the newline sprout api adds.
     assert_eq!(sha[2], ((64 << 20) + 1).to_string(), "{o}");
     assert_eq!(
-        json(&out, "raw-missing:")["error"]["code"],
+        out.json("raw-missing:")["error"]["code"],
         "file_not_found",
         "{o}"
     );
     let hwm: u64 = out.values("hwm-kib:")[0].parse().unwrap();
     assert!(hwm < 64 * 1024, "sproutd's peak RSS {hwm} KiB\n{o}");
-    assert_eq!(json(&out, "rm:")["deleted"], true, "{o}");
-    let after = json(&out, "ls-after:");
+    assert_eq!(out.json("rm:")["deleted"], true, "{o}");
+    let after = out.json("ls-after:");
     let names: Vec<&str> = after["entries"]
         .as_array()
         .unwrap()
@@ -408,7 +400,7 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     );
 
     // Background process.
-    let bg = json(&out, "bg:");
+    let bg = out.json("bg:");
     let eid = bg["execId"].as_u64().unwrap();
     assert!(bg["pid"].as_u64().unwrap() > 1, "{o}");
     let a1 = sse_events(&out.values("a1:"));
@@ -423,7 +415,7 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         })
         .collect();
     assert_eq!(a1_out, "line1\nline2\nline3\n", "{o}");
-    let procs = json(&out, "procs:");
+    let procs = out.json("procs:");
     let p = procs["processes"]
         .as_array()
         .unwrap()
@@ -435,7 +427,7 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
         "dropping its stream left it running\n{o}"
     );
     assert_eq!(p["stdinOpen"], true, "{o}");
-    assert_eq!(json(&out, "stdin:")["bytes"], 6, "{o}");
+    assert_eq!(out.json("stdin:")["bytes"], 6, "{o}");
     let a2 = sse_events(&out.values("a2:"));
     // The replay after event `resume` is what the first stream saw after it
     // (at least its last event), then the live events.
@@ -468,8 +460,8 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(last.0, "exit", "{o}");
     let exit: Value = serde_json::from_str(&last.1).unwrap();
     assert_eq!(exit["signal"], 15, "{o}");
-    assert_eq!(json(&out, "signal:")["signal"], 15, "{o}");
-    let after = json(&out, "procs-after:");
+    assert_eq!(out.json("signal:")["signal"], 15, "{o}");
+    let after = out.json("procs-after:");
     let p = after["processes"]
         .as_array()
         .unwrap()
@@ -480,40 +472,36 @@ fn sproutd_schedules_a_linux_sandbox_runs_execs_in_it_and_deletes_it() {
     assert_eq!(p["exit"]["signal"], 15, "{o}");
     // The signal reached the process group: its sleep child, there before
     // it, is gone too.
-    assert_eq!(json(&out, "sleepers-before:")["stdout"], "1\n", "{o}");
-    assert_eq!(json(&out, "sleepers:")["stdout"], "0\n", "{o}");
+    assert_eq!(out.json("sleepers-before:")["stdout"], "1\n", "{o}");
+    assert_eq!(out.json("sleepers:")["stdout"], "0\n", "{o}");
 
-    let second = json(&out, "second:");
+    let second = out.json("second:");
     assert_eq!(second["image"], "test", "{o}");
     assert_eq!(second["state"], "running", "{o}");
     // The worker's watch (a pidfd) usually fails the sandbox before the
     // exec comes (409 invalid_state); else the exec finds it (502).
-    let dead_exec = json(&out, "dead-exec:");
+    let dead_exec = out.json("dead-exec:");
     assert!(
         ["invalid_state", "agent_unavailable"]
             .contains(&dead_exec["error"]["code"].as_str().unwrap()),
         "{o}"
     );
-    let dead = json(&out, "dead:");
+    let dead = out.json("dead:");
     assert_eq!(dead["state"], "failed", "{o}");
     let why = dead["failureReason"].as_str().unwrap();
     assert!(why.contains("killed") || why.contains("gone"), "{o}");
-    assert_eq!(json(&out, "delete2:")["deleted"], true, "{o}");
+    assert_eq!(out.json("delete2:")["deleted"], true, "{o}");
 
-    let adopted = json(&out, "adopted:");
+    let adopted = out.json("adopted:");
     assert_eq!(adopted["state"], "running", "{o}");
     assert_eq!(adopted["workerPid"], s["workerPid"], "{o}");
-    let again = json(&out, "again:");
+    let again = out.json("again:");
     assert_eq!(again["exitCode"], 0, "{o}");
     assert!(!again["stdout"].as_str().unwrap().trim().is_empty(), "{o}");
 
-    assert_eq!(json(&out, "delete:")["deleted"], true, "{o}");
-    assert_eq!(json(&out, "gone:")["error"]["code"], "vm_not_found", "{o}");
-    assert_eq!(
-        json(&out, "left:")["vms"].as_array().unwrap().len(),
-        0,
-        "{o}"
-    );
+    assert_eq!(out.json("delete:")["deleted"], true, "{o}");
+    assert_eq!(out.json("gone:")["error"]["code"], "vm_not_found", "{o}");
+    assert_eq!(out.json("left:")["vms"].as_array().unwrap().len(), 0, "{o}");
     assert_eq!(out.values("workers:"), ["0"], "{o}");
     assert_eq!(out.values("jails-left:"), ["0"], "{o}");
     assert_eq!(out.values("mounts-left:"), ["0"], "{o}");

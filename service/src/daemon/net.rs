@@ -285,10 +285,7 @@ impl Network {
 /// (the child joins it before it runs `ip`).
 fn ip(ns: Option<&std::fs::File>, script: &str) -> Result<(), String> {
     let mut cmd = Command::new("ip");
-    cmd.args(["-batch", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    cmd.args(["-batch", "-"]);
     if let Some(ns) = ns {
         let fd = ns.as_raw_fd();
         // SAFETY: the closure runs in the child between fork and exec and
@@ -318,25 +315,38 @@ fn ip(ns: Option<&std::fs::File>, script: &str) -> Result<(), String> {
             });
         }
     }
+    feed(&mut cmd, script).map_err(|e| {
+        format!(
+            "ip (iproute2) failed: {e} (commands: {})",
+            script.trim().replace('\n', "; ")
+        )
+    })
+}
+
+/// Runs `cmd` (stdin piped, stderr kept) with `input` on its stdin; its
+/// stderr when it fails.
+fn feed(cmd: &mut Command, input: &str) -> Result<(), String> {
     let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("Cannot run ip (iproute2): {e}"))?;
+        .map_err(|e| format!("cannot run it: {e}"))?;
     if let Some(mut stdin) = child.stdin.take() {
         stdin
-            .write_all(script.as_bytes())
-            .map_err(|e| format!("Cannot write to ip: {e}"))?;
+            .write_all(input.as_bytes())
+            .map_err(|e| format!("cannot write to it: {e}"))?;
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("ip did not end: {e}"))?;
+        .map_err(|e| format!("it did not end: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
         Err(format!(
-            "ip failed ({}): {} (commands: {})",
+            "{}: {}",
             out.status,
-            String::from_utf8_lossy(&out.stderr).trim(),
-            script.trim().replace('\n', "; ")
+            String::from_utf8_lossy(&out.stderr).trim()
         ))
     }
 }
@@ -372,29 +382,9 @@ fn setup(jailed: bool) -> Result<(), String> {
         denied.push(gw.to_string());
     }
     let rules = ruleset(&denied);
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run nft: {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(rules.as_bytes())
-            .map_err(|e| format!("cannot write to nft: {e}"))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| format!("nft did not end: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "nftables refused sproutd's table ({}; are the nf_tables and NAT modules \
-             there?)",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
-    Ok(())
+    feed(Command::new("nft").args(["-f", "-"]), &rules).map_err(|e| {
+        format!("nftables refused sproutd's table ({e}; are the nf_tables and NAT modules there?)")
+    })
 }
 
 /// The table, replacing any earlier one (`table` then `delete table`
