@@ -1011,9 +1011,15 @@ impl App {
         if linux {
             let mut live = s.clone();
             live.vsock_socket = vsock;
-            let r = match self.attach_network(s, pid).await {
-                Ok(lease) => self.ready_agent(&live, &sock, identity, lease).await,
-                Err(e) => Err(e),
+            // The host's side of its network is made while its guest
+            // comes up; the guest is told its network once both are done.
+            let (net, ready) = tokio::join!(
+                self.attach_network(s, pid),
+                self.ready_agent(&live, &sock, identity)
+            );
+            let r = match (net, ready) {
+                (Ok(lease), Ok(())) => self.configure_network(&live, lease).await,
+                (Err(e), _) | (_, Err(e)) => Err(e),
             };
             if let Err(e) = r {
                 let child = lock(&self.children).remove(&id);
@@ -1063,15 +1069,43 @@ impl App {
         Ok(Some(lease))
     }
 
+    /// Tells the guest of `s` its network (its MAC, address, route and
+    /// resolvers), if it has one.
+    async fn configure_network(
+        self: &Arc<Self>,
+        s: &Sandbox,
+        lease: Option<super::net::Lease>,
+    ) -> Result<(), ApiError> {
+        let Some(l) = lease else {
+            return Ok(());
+        };
+        let agent = self
+            .agent(s)
+            .ok_or_else(|| ApiError::new(Code::AgentUnavailable, "The VM has no vsock device"))?;
+        let req = guest_agent::protocol::NetConfigure {
+            mac: l.mac,
+            address: l.address.octets(),
+            prefix_len: l.prefix_len,
+            gateway: l.gateway.map(|g| g.octets()),
+            dns: l.dns.iter().map(|d| d.octets()).collect(),
+            interface: None,
+        };
+        agent.net_configure(req).await.map_err(|e| {
+            ApiError::new(
+                Code::AgentUnavailable,
+                format!("The guest could not be given its network: {}", chain(&e)),
+            )
+        })?;
+        Ok(())
+    }
+
     /// Waits for the agent of `s`; with `identity`, re-identifies its
-    /// guest and records its host name; with `lease`, tells the guest its
-    /// network (its MAC, address, route and resolvers).
+    /// guest and records its host name.
     async fn ready_agent(
         self: &Arc<Self>,
         s: &Sandbox,
         sock: &std::path::Path,
         identity: Option<(u64, Option<String>)>,
-        lease: Option<super::net::Lease>,
     ) -> Result<(), ApiError> {
         let agent = self
             .agent(s)
@@ -1105,22 +1139,6 @@ impl App {
             }
             let id = s.id;
             self.db(move |r| r.set_hostname(id, &hostname)).await?;
-        }
-        if let Some(l) = lease {
-            let req = guest_agent::protocol::NetConfigure {
-                mac: l.mac,
-                address: l.address.octets(),
-                prefix_len: l.prefix_len,
-                gateway: l.gateway.map(|g| g.octets()),
-                dns: l.dns.iter().map(|d| d.octets()).collect(),
-                interface: None,
-            };
-            agent.net_configure(req).await.map_err(|e| {
-                ApiError::new(
-                    Code::AgentUnavailable,
-                    format!("The guest could not be given its network: {}", chain(&e)),
-                )
-            })?;
         }
         tracing::debug!(
             vm = %s.id,

@@ -214,12 +214,18 @@ impl Network {
         let host = host_if(slot);
         let (gw, guest) = (addr(200, slot, 1), addr(200, slot, 2));
         let (vhost, vns) = (addr(201, slot, 1), addr(201, slot, 2));
+        // The host's side first, whole (its route's next hop is on a link
+        // whose other end is not up yet: the kernel takes it, "linkdown"),
+        // then the namespace's: two `ip` runs.
         if internet {
             ip(
                 None,
                 &format!(
                     "link add {host} type veth peer name veth0 netns {pid}\n\
-                     link set {host} alias {alias}\n"
+                     link set {host} alias {alias}\n\
+                     addr add {vhost}/30 dev {host}\nlink set {host} up\n\
+                     route add {}/30 via {vns} dev {host}\n",
+                    addr(200, slot, 0)
                 ),
             )
             .map_err(|e| (e.contains("File exists"), e))?;
@@ -234,17 +240,6 @@ impl Network {
             ));
         }
         ip(Some(ns), &inside).map_err(|e| (false, e))?;
-        if internet {
-            ip(
-                None,
-                &format!(
-                    "addr add {vhost}/30 dev {host}\nlink set {host} up\n\
-                     route add {}/30 via {vns} dev {host}\n",
-                    addr(200, slot, 0)
-                ),
-            )
-            .map_err(|e| (false, e))?;
-        }
         Ok(Lease {
             slot,
             mac: mac_for(id),
