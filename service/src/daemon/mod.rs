@@ -29,6 +29,7 @@ mod procs;
 pub mod registry;
 mod rest;
 mod routes;
+mod rtnl;
 mod store;
 mod supervisor;
 mod templates;

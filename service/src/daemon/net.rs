@@ -25,8 +25,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::Ipv4Addr;
-use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -34,6 +33,7 @@ use std::sync::Mutex;
 use uuid::Uuid;
 
 use super::lock;
+use super::rtnl::Rtnl;
 
 /// How many slots there are (a /30 each in a /16).
 const SLOTS: u16 = 16384;
@@ -41,7 +41,7 @@ const SLOTS: u16 = 16384;
 pub const TAP: &str = sprout_worker::jail::tap::TAP_NAME;
 /// The MAC of every sandbox's `tap0` (the guest's gateway): the same in
 /// every namespace, so a restored guest's ARP entry for it stays right.
-const GATEWAY_MAC: &str = "02:73:70:00:00:01";
+const GATEWAY_MAC: [u8; 6] = [0x02, 0x73, 0x70, 0x00, 0x00, 0x01];
 /// The nftables table sproutd owns.
 const TABLE: &str = "sprout";
 
@@ -96,8 +96,6 @@ pub struct Network {
     dns: Vec<Ipv4Addr>,
     /// Each sandbox's slot, held until it is deleted.
     slots: Mutex<HashMap<Uuid, u16>>,
-    /// One attach at a time (slot choice, interface names).
-    attach: Mutex<()>,
 }
 
 impl Network {
@@ -108,7 +106,6 @@ impl Network {
             no_egress: None,
             dns: Vec::new(),
             slots: Mutex::new(HashMap::new()),
-            attach: Mutex::new(()),
         }
     }
 
@@ -129,7 +126,6 @@ impl Network {
                     dns.to_vec()
                 },
                 slots: Mutex::new(HashMap::new()),
-                attach: Mutex::new(()),
             },
             Err(why) => Network::off(why),
         }
@@ -163,7 +159,9 @@ impl Network {
 
     /// Joins the network namespace of worker `pid` (which runs sandbox
     /// `id`'s VM on its `tap0`) to the host: addresses, routes, and unless
-    /// `internet` is false a veth pair to the host. Blocking (runs `ip`).
+    /// `internet` is false a veth pair to the host. Blocking (rtnetlink
+    /// requests, `rtnl.rs`); attaches of different sandboxes run in
+    /// parallel (only the slot choice is serialized).
     ///
     /// A sandbox keeps its slot across workers. Each host-side interface
     /// carries its sandbox's id as its alias: the one an earlier worker of
@@ -171,24 +169,32 @@ impl Network {
     /// sproutd on this host may have taken the slot meanwhile, or be
     /// taking it now) sends this one to another slot.
     pub fn attach(&self, id: Uuid, pid: u32, internet: bool) -> Result<Lease, String> {
-        let _one = lock(&self.attach);
         let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
             .map_err(|e| format!("Cannot open the network namespace of worker {pid}: {e}"))?;
+        self.attach_ns(id, &ns, internet)
+    }
+
+    /// [`attach`](Self::attach) to the namespace `ns`.
+    fn attach_ns(&self, id: Uuid, ns: &std::fs::File, internet: bool) -> Result<Lease, String> {
+        let mut host = Rtnl::open().map_err(|e| format!("Cannot open rtnetlink: {e}"))?;
         let alias = format!("sprout:{id}");
         let mut last = String::new();
         for _ in 0..8 {
             let slot = self.slot(id)?;
-            let host = host_if(slot);
-            let sys = Path::new("/sys/class/net").join(&host);
+            let name = host_if(slot);
+            let sys = Path::new("/sys/class/net").join(&name);
             if sys.exists() {
                 let owner = std::fs::read_to_string(sys.join("ifalias")).unwrap_or_default();
                 if owner.trim() != alias {
                     lock(&self.slots).remove(&id);
                     continue;
                 }
-                let _ = ip(None, &format!("link del {host}\n"));
+                // This sandbox's own, from a worker that ended.
+                if let Ok(i) = host.index(&name) {
+                    let _ = host.del_link(i);
+                }
             }
-            match self.join(id, slot, pid, &ns, internet, &alias) {
+            match self.join(&mut host, id, slot, ns, internet, &alias) {
                 Ok(l) => return Ok(l),
                 Err((true, e)) => {
                     lock(&self.slots).remove(&id);
@@ -204,42 +210,57 @@ impl Network {
     /// slot's host interface was taken meanwhile (try another).
     fn join(
         &self,
+        host: &mut Rtnl,
         id: Uuid,
         slot: u16,
-        pid: u32,
         ns: &std::fs::File,
         internet: bool,
         alias: &str,
     ) -> Result<Lease, (bool, String)> {
-        let host = host_if(slot);
+        let name = host_if(slot);
         let (gw, guest) = (addr(200, slot, 1), addr(200, slot, 2));
         let (vhost, vns) = (addr(201, slot, 1), addr(201, slot, 2));
+        let fail = |what: &str, e: std::io::Error| (false, format!("{what}: {e}"));
         // The host's side first, whole (its route's next hop is on a link
         // whose other end is not up yet: the kernel takes it, "linkdown"),
-        // then the namespace's: two `ip` runs.
+        // then the namespace's.
         if internet {
-            ip(
-                None,
-                &format!(
-                    "link add {host} type veth peer name veth0 netns {pid}\n\
-                     link set {host} alias {alias}\n\
-                     addr add {vhost}/30 dev {host}\nlink set {host} up\n\
-                     route add {}/30 via {vns} dev {host}\n",
-                    addr(200, slot, 0)
-                ),
+            host.add_veth(&name, "veth0", ns.as_fd()).map_err(|e| {
+                (
+                    e.kind() == std::io::ErrorKind::AlreadyExists,
+                    format!("Cannot make the veth pair {name}: {e}"),
+                )
+            })?;
+            let i = host
+                .index(&name)
+                .map_err(|e| fail(&format!("Cannot find {name}"), e))?;
+            host.set_up(i, None, Some(alias))
+                .and_then(|()| host.add_addr(i, vhost, 30))
+                .and_then(|()| host.add_route(addr(200, slot, 0), 30, vns, i))
+                .map_err(|e| fail(&format!("Cannot set {name} up"), e))?;
+        }
+        let inside = |what: &str, e: std::io::Error| {
+            (
+                false,
+                format!("In the sandbox's network namespace, {what}: {e}"),
             )
-            .map_err(|e| (e.contains("File exists"), e))?;
-        }
-        let mut inside = format!(
-            "link set lo up\nlink set {TAP} down\nlink set {TAP} address {GATEWAY_MAC}\n\
-             addr flush dev {TAP}\naddr add {gw}/30 dev {TAP}\nlink set {TAP} up\n"
-        );
+        };
+        let mut nsl =
+            Rtnl::in_namespace(ns.as_fd(), true).map_err(|e| inside("cannot open rtnetlink", e))?;
+        let lo = nsl.index("lo").map_err(|e| inside("no lo", e))?;
+        nsl.set_up(lo, None, None)
+            .map_err(|e| inside("cannot set lo up", e))?;
+        let tap = nsl.index(TAP).map_err(|e| inside("no TAP", e))?;
+        nsl.set_up(tap, Some(GATEWAY_MAC), None)
+            .and_then(|()| nsl.add_addr(tap, gw, 30))
+            .map_err(|e| inside(&format!("cannot set {TAP} up"), e))?;
         if internet {
-            inside.push_str(&format!(
-                "addr add {vns}/30 dev veth0\nlink set veth0 up\nroute add default via {vhost}\n"
-            ));
+            let v = nsl.index("veth0").map_err(|e| inside("no veth0", e))?;
+            nsl.add_addr(v, vns, 30)
+                .and_then(|()| nsl.set_up(v, None, None))
+                .and_then(|()| nsl.add_route(Ipv4Addr::UNSPECIFIED, 0, vhost, v))
+                .map_err(|e| inside("cannot set veth0 up", e))?;
         }
-        ip(Some(ns), &inside).map_err(|e| (false, e))?;
         Ok(Lease {
             slot,
             mac: mac_for(id),
@@ -274,48 +295,6 @@ impl Network {
     pub fn release(&self, id: Uuid) {
         lock(&self.slots).remove(&id);
     }
-}
-
-/// Runs `ip -batch -` on `script`, in the network namespace `ns` if given
-/// (the child joins it before it runs `ip`).
-fn ip(ns: Option<&std::fs::File>, script: &str) -> Result<(), String> {
-    let mut cmd = Command::new("ip");
-    cmd.args(["-batch", "-"]);
-    if let Some(ns) = ns {
-        let fd = ns.as_raw_fd();
-        // SAFETY: the closure runs in the child between fork and exec and
-        // makes only async-signal-safe system calls (setns, open, write,
-        // close) on data it does not allocate: the namespace's descriptor
-        // (open in the parent, inherited) and static strings.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Forwarding, per namespace (this /proc/sys/net is the
-                // namespace's own now).
-                let f = libc::open(
-                    c"/proc/sys/net/ipv4/ip_forward".as_ptr(),
-                    libc::O_WRONLY | libc::O_CLOEXEC,
-                );
-                if f < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let n = libc::write(f, b"1\n".as_ptr().cast(), 2);
-                libc::close(f);
-                if n != 2 {
-                    return Err(std::io::Error::other("cannot turn forwarding on"));
-                }
-                Ok(())
-            });
-        }
-    }
-    feed(&mut cmd, script).map_err(|e| {
-        format!(
-            "ip (iproute2) failed: {e} (commands: {})",
-            script.trim().replace('\n', "; ")
-        )
-    })
 }
 
 /// Runs `cmd` (stdin piped, stderr kept) with `input` on its stdin; its
@@ -359,16 +338,14 @@ fn setup(jailed: bool) -> Result<(), String> {
     if !Path::new("/dev/net/tun").exists() {
         return Err("this host has no /dev/net/tun (the tun module is not loaded)".into());
     }
-    for (tool, arg, pkg) in [("ip", "-V", "iproute2"), ("nft", "--version", "nftables")] {
-        let ok = Command::new(tool)
-            .arg(arg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            return Err(format!("`{tool}` is not installed (apt-get install {pkg})"));
-        }
+    let nft = Command::new("nft")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !nft {
+        return Err("`nft` is not installed (apt-get install nftables)".into());
     }
     std::fs::write("/proc/sys/net/ipv4/ip_forward", "1\n")
         .map_err(|e| format!("cannot turn IPv4 forwarding on: {e}"))?;
@@ -438,6 +415,176 @@ fn parse_resolv(s: &str) -> Vec<Ipv4Addr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// `cmd args...`, its stdout, or why it failed.
+    fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+        let o = Command::new(cmd)
+            .args(args)
+            .output()
+            .map_err(|e| format!("{cmd}: {e}"))?;
+        if o.status.success() {
+            Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+        } else {
+            Err(format!(
+                "{cmd} {args:?}: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ))
+        }
+    }
+
+    /// A network namespace like a jailed worker's (`lo` and a `tap0`),
+    /// deleted on drop with everything in it.
+    struct Netns(String);
+
+    impl Netns {
+        fn new(tag: &str) -> Netns {
+            let name = format!("sprout-net-{}-{tag}", std::process::id());
+            run("ip", &["netns", "add", &name]).unwrap();
+            let ns = Netns(name);
+            ns.ip(&["tuntap", "add", TAP, "mode", "tap"]).unwrap();
+            ns
+        }
+        fn ip(&self, args: &[&str]) -> Result<String, String> {
+            let mut all = vec!["-n", &self.0];
+            all.extend_from_slice(args);
+            run("ip", &all)
+        }
+        fn file(&self) -> std::fs::File {
+            std::fs::File::open(format!("/run/netns/{}", self.0)).unwrap()
+        }
+    }
+
+    impl Drop for Netns {
+        fn drop(&mut self) {
+            let _ = run("ip", &["netns", "del", &self.0]);
+        }
+    }
+
+    /// Attaches over rtnetlink on this host, in namespaces of the test's
+    /// own (the host's side is a real `sp<N>` while it runs): addresses,
+    /// MACs, routes and forwarding as the guest is told them; the same
+    /// sandbox keeps its slot in a new namespace and its old interface is
+    /// replaced; another sandbox gets another slot; `disableInternet`
+    /// gets no veth pair and no route. Needs root and iproute2 (to make
+    /// the namespaces and look at them): without them it says why and
+    /// passes without running.
+    #[test]
+    fn attach_joins_a_namespace_to_the_host_over_rtnetlink() {
+        if !rustix::process::geteuid().is_root() || run("ip", &["-V"]).is_err() {
+            eprintln!("skipped: needs root and iproute2");
+            return;
+        }
+        let net = Network::off("test");
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let ns1 = Netns::new("a1");
+        let t = std::time::Instant::now();
+        let la = net.attach_ns(a, &ns1.file(), true).unwrap();
+        eprintln!("attach took {:?}", t.elapsed());
+        let (s, host) = (la.slot, host_if(la.slot));
+        assert_eq!(la.address, addr(200, s, 2));
+        assert_eq!(la.gateway, Some(addr(200, s, 1)));
+        assert_eq!(la.mac, mac_for(a));
+        let tap = ns1.ip(&["addr", "show", "dev", TAP]).unwrap();
+        assert!(
+            tap.contains(&format!("inet {}/30", addr(200, s, 1))),
+            "{tap}"
+        );
+        assert!(tap.contains("link/ether 02:73:70:00:00:01"), "{tap}");
+        assert!(tap.contains(",UP"), "{tap}");
+        let veth = ns1.ip(&["addr", "show", "dev", "veth0"]).unwrap();
+        assert!(
+            veth.contains(&format!("inet {}/30", addr(201, s, 2))),
+            "{veth}"
+        );
+        let routes = ns1.ip(&["route"]).unwrap();
+        assert!(
+            routes.contains(&format!("default via {} dev veth0", addr(201, s, 1))),
+            "{routes}"
+        );
+        assert!(ns1.ip(&["link", "show", "lo"]).unwrap().contains(",UP"));
+        let fwd = run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &ns1.0,
+                "cat",
+                "/proc/sys/net/ipv4/ip_forward",
+            ],
+        )
+        .unwrap();
+        assert_eq!(fwd.trim(), "1");
+        let h = run("ip", &["addr", "show", "dev", &host]).unwrap();
+        assert!(h.contains(&format!("inet {}/30", addr(201, s, 1))), "{h}");
+        let hl = run("ip", &["link", "show", "dev", &host]).unwrap();
+        assert!(hl.contains(&format!("alias sprout:{a}")), "{hl}");
+        let hr = run("ip", &["route", "show", "dev", &host]).unwrap();
+        assert!(
+            hr.contains(&format!("{}/30 via {}", addr(200, s, 0), addr(201, s, 2))),
+            "{hr}"
+        );
+
+        // The pair carries traffic: the host connects to a listener in
+        // the namespace, on the namespace's side of the pair.
+        let ns_file = ns1.file();
+        let listener = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                // SAFETY: a namespace descriptor that outlives this thread,
+                // which alone joins it and then ends.
+                let r = unsafe { libc::setns(ns_file.as_raw_fd(), libc::CLONE_NEWNET) };
+                assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+                std::net::TcpListener::bind((addr(201, s, 2), 0)).unwrap()
+            })
+            .join()
+            .unwrap()
+        });
+        let to = listener.local_addr().unwrap();
+        std::net::TcpStream::connect_timeout(&to, std::time::Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("connect to {to} in the namespace: {e}"));
+        listener.accept().unwrap();
+
+        // Another sandbox, another slot.
+        let ns2 = Netns::new("b");
+        let lb = net.attach_ns(b, &ns2.file(), true).unwrap();
+        assert_ne!(lb.slot, s);
+        assert_ne!(lb.address, la.address);
+
+        // Sandbox a in a new worker (its old one still there, as after a
+        // kill): same slot, its leftover interface replaced.
+        let ns3 = Netns::new("a2");
+        let again = net.attach_ns(a, &ns3.file(), true).unwrap();
+        assert_eq!(again, la);
+        assert!(
+            ns1.ip(&["link", "show", "veth0"]).is_err(),
+            "the old pair is gone"
+        );
+        assert!(ns3
+            .ip(&["addr", "show", "dev", "veth0"])
+            .unwrap()
+            .contains("inet "));
+
+        // disableInternet: the TAP only, nowhere to go.
+        let c = Uuid::new_v4();
+        let ns4 = Netns::new("c");
+        let lc = net.attach_ns(c, &ns4.file(), false).unwrap();
+        assert_eq!(lc.gateway, None);
+        assert!(lc.dns.is_empty());
+        assert!(ns4.ip(&["link", "show", "veth0"]).is_err());
+        assert!(!ns4.ip(&["route"]).unwrap().contains("default"));
+        assert!(!Path::new("/sys/class/net").join(host_if(lc.slot)).exists());
+
+        // A namespace that is gone takes its pair with it.
+        drop(ns3);
+        let gone = (0..200).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            !Path::new("/sys/class/net").join(&host).exists()
+        });
+        assert!(gone, "{host} outlived its namespace");
+        for id in [a, b, c] {
+            net.release(id);
+        }
+    }
 
     #[test]
     fn slots_make_distinct_subnets() {
