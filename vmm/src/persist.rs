@@ -279,6 +279,14 @@ impl Vm {
         // A staged diff is written and fsynced now, with the guest running.
         let res = resumed.and(res).and_then(Captured::finish).and_then(|s| {
             let lease = if fork_layer {
+                // Children, in this process or others, load this layer
+                // next: sealed, they do not hash what was just written.
+                if let Err(e) = snapshot::format::seal::seal_written(&s, false) {
+                    log::warn!(
+                        "fork layer {} not sealed (children hash it): {e}",
+                        s.dir().display()
+                    );
+                }
                 Some(crate::lease::LayerLease::create(s.dir())?)
             } else {
                 None

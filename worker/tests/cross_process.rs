@@ -70,6 +70,9 @@ fn fork_spec(dir: &Path) -> RestoreSpec {
 /// Fork step 1 on `parent`, step 2 on `n` ready workers of `pool`, in parallel.
 fn fork(parent: &mut Client, pool: &mut ReadyPool, n: usize, scratch: &Path) -> Vec<WorkerProcess> {
     let layer = parent.write_fork_layer(scratch).expect("fork layer");
+    // Sealed by its writer: the children do not hash it again.
+    let seal = std::fs::read_to_string(layer.dir.join(".sealed")).expect("a sealed fork layer");
+    assert!(seal.lines().count() >= 1, "{seal}");
     let kids: Vec<WorkerProcess> = (0..n).map(|_| pool.take().expect("ready worker")).collect();
     std::thread::scope(|s| {
         let hs: Vec<_> = kids

@@ -260,6 +260,10 @@ fn a_jailed_worker_boots_snapshots_and_forks_into_jailed_ready_workers() {
         .client
         .write_fork_layer(&scratch)
         .expect("fork layer");
+    // A jailed writer seals its layer too (owned by the jail uid, as its
+    // jailed children are: they trust it).
+    let seal = std::fs::metadata(layer.dir.join(".sealed")).expect("a sealed fork layer");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&seal), 65534);
 
     let mut pool = ReadyPool::new(cmd(), dir.path(), SHAPE);
     pool.fill(2).expect("jailed ready workers");

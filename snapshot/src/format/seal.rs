@@ -34,6 +34,27 @@ pub const MAX_SEAL_BYTES: u64 = 256 * 1024;
 /// [`Snapshot::load`]). Replaces any seal there; written to a temporary
 /// name, synced and renamed.
 pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
+    seal_with(snap, true, |v, sum| is_verified(v, sum))
+}
+
+/// Writes the seal of `snap`, which this process has just written (its
+/// checksums are of the bytes it wrote), without reading it back: every
+/// listed file at its current version. For the writer's own short-lived
+/// output, such as a fork layer that child processes load next (they
+/// trust the writer's data either way); `durable: false` skips the fsyncs
+/// as that layer's own writes do. A file changed after this changes its
+/// ctime (on kernels with fine-grained timestamps, those since 6.13, even
+/// within the same clock tick: this call's `fstat` asks for them), and is
+/// verified again.
+pub fn seal_written(snap: &Snapshot, durable: bool) -> Result<usize, SnapshotError> {
+    seal_with(snap, durable, |_, _| true)
+}
+
+fn seal_with(
+    snap: &Snapshot,
+    durable: bool,
+    include: impl Fn(&FileVersion, Checksum) -> bool,
+) -> Result<usize, SnapshotError> {
     let dir = snap.dir();
     let m = snap.manifest();
     let entries = m
@@ -50,7 +71,7 @@ pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
         let Some(v) = file_version(&file) else {
             continue;
         };
-        if !is_verified(&v, e.checksum) {
+        if !include(&v, e.checksum) {
             continue;
         }
         let (dev, ino, size, ms, mns, cs, cns) = v;
@@ -63,15 +84,22 @@ pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
     let tmp = dir.join(format!("{SEAL_FILE}.tmp"));
     let path = dir.join(SEAL_FILE);
     let write = || -> std::io::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .truncate(true)
             .write(true)
+            .mode(0o644)
             .open(&tmp)?;
         f.write_all(text.as_bytes())?;
-        f.sync_all()?;
+        if durable {
+            f.sync_all()?;
+        }
         std::fs::rename(&tmp, &path)?;
-        File::open(dir)?.sync_all()
+        if durable {
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(())
     };
     write().map_err(|err| {
         let _ = std::fs::remove_file(&tmp);

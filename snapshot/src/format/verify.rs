@@ -546,6 +546,36 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_sealed_by_its_writer_loads_unhashed_elsewhere_until_it_changes() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
+        crate::testutil::fill(&mut ram, 3, 11);
+        let s = crate::testutil::full(dir.path(), "s", &ram);
+        let d = s.dir().to_path_buf();
+        // Not verified by this process: sealed as written.
+        forget_verified();
+        let n = crate::format::seal::seal_written(&s, false).unwrap();
+        assert!(n >= 1);
+        let layer = s.manifest().memory_layers[0].data.name.clone();
+        assert!(crate::format::seal::sealed(&d).contains_key(&layer));
+        forget_verified();
+        let before = HASHED.with(|h| h.get());
+        assert!(Snapshot::load(&d).is_ok());
+        assert_eq!(HASHED.with(|h| h.get()), before, "nothing hashed");
+        forget_verified();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(&layer))
+            .unwrap();
+        f.write_all_at(&[0x5a], 3 * crate::PAGE_SIZE as u64 + 7)
+            .unwrap();
+        drop(f);
+        let e = Snapshot::load(&d).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+    }
+
+    #[test]
     fn a_sealed_snapshot_loads_unhashed_in_a_new_process_and_a_change_after_is_refused() {
         use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
