@@ -34,7 +34,7 @@ pub const MAX_SEAL_BYTES: u64 = 256 * 1024;
 /// [`Snapshot::load`]). Replaces any seal there; written to a temporary
 /// name, synced and renamed.
 pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
-    seal_with(snap, true, |v, sum| is_verified(v, sum))
+    seal_with(snap, true, is_verified)
 }
 
 /// Writes the seal of `snap`, which this process has just written (its
