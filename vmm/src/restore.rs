@@ -186,8 +186,15 @@ impl Vm {
         opts: RestoreOptions,
         shell: Option<VmShell>,
     ) -> Result<Vm, RestoreError> {
+        let t = std::time::Instant::now();
         let (chain, stack) = load_for_restore(dir)?;
+        let loaded = t.elapsed();
         let leases = lease_chain(&chain)?;
+        log::debug!(
+            "restore: chain of {} loaded in {loaded:?}, leased in {:?}",
+            chain.len(),
+            t.elapsed() - loaded
+        );
         Self::restore_loaded(&chain, stack, leases, opts, shell)
     }
 
