@@ -92,10 +92,53 @@ impl Drop for Daemon {
     }
 }
 
-pub fn data_dir() -> (tempfile::TempDir, PathBuf) {
+/// A test's temporary directory and the data directory in it.
+pub fn data_dir() -> (DataDir, PathBuf) {
     let t = tempfile::tempdir().unwrap();
     let d = t.path().join("data");
-    (t, d)
+    (DataDir(t), d)
+}
+
+/// A test's temporary directory. Its sandboxes' worker processes, which
+/// outlive a killed or stopped sproutd by design (the next one adopts
+/// them), are killed when it goes, so no test leaves VMs running.
+pub struct DataDir(tempfile::TempDir);
+
+impl DataDir {
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        kill_workers_of(self.0.path());
+        // A worker a killed sproutd had forked but not yet exec'd shows up
+        // as one a moment later.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        kill_workers_of(self.0.path());
+    }
+}
+
+/// SIGKILL to every `sprout-worker` process whose command line names a
+/// path under `dir` (its console, jail root or socket).
+pub fn kill_workers_of(dir: &Path) {
+    let needle = format!("{}/", dir.display());
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmd = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains("sprout-worker") && cmd.contains(&needle) {
+            // SAFETY: kill(2) on a pid read from /proc; at worst it names
+            // a process that has just ended (ESRCH, ignored).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 /// Checks that `r` is the error envelope with `status` and `code`, and has
