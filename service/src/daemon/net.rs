@@ -246,7 +246,7 @@ impl Network {
             )
         };
         let mut nsl =
-            Rtnl::in_namespace(ns.as_fd(), true).map_err(|e| inside("cannot open rtnetlink", e))?;
+            Rtnl::in_namespace(ns.as_fd()).map_err(|e| inside("cannot open rtnetlink", e))?;
         let lo = nsl.index("lo").map_err(|e| inside("no lo", e))?;
         nsl.set_up(lo, None, None)
             .map_err(|e| inside("cannot set lo up", e))?;

@@ -50,9 +50,10 @@ impl Rtnl {
     }
 
     /// A socket in the network namespace `ns` (a `/proc/PID/ns/net`),
-    /// and that namespace's IPv4 forwarding turned on: both done by a
-    /// thread that joins it and ends.
-    pub fn in_namespace(ns: BorrowedFd<'_>, forwarding: bool) -> io::Result<Rtnl> {
+    /// and that namespace's IPv4 forwarding turned on (it routes between
+    /// the TAP and the veth pair): both done by a thread that joins it and
+    /// ends.
+    pub fn in_namespace(ns: BorrowedFd<'_>) -> io::Result<Rtnl> {
         let fd = ns.as_raw_fd();
         std::thread::scope(|s| {
             s.spawn(move || {
@@ -62,13 +63,11 @@ impl Rtnl {
                 if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
                     return Err(io::Error::last_os_error());
                 }
-                if forwarding {
-                    // /proc/sys/net is the namespace of the thread that
-                    // opens it: this one's now.
-                    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1\n").map_err(|e| {
-                        io::Error::new(e.kind(), format!("cannot turn forwarding on: {e}"))
-                    })?;
-                }
+                // /proc/sys/net is the namespace of the thread that
+                // opens it: this one's now.
+                std::fs::write("/proc/sys/net/ipv4/ip_forward", "1\n").map_err(|e| {
+                    io::Error::new(e.kind(), format!("cannot turn forwarding on: {e}"))
+                })?;
                 Rtnl::open()
             })
             .join()
