@@ -281,7 +281,7 @@ impl Vm {
             let lease = if fork_layer {
                 // Children, in this process or others, load this layer
                 // next: sealed, they do not hash what was just written.
-                if let Err(e) = snapshot::format::seal::seal_written(&s, false) {
+                if let Err(e) = snapshot::format::seal::seal_written(&s) {
                     log::warn!(
                         "fork layer {} not sealed (children hash it): {e}",
                         s.dir().display()

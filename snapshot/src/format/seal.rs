@@ -41,13 +41,13 @@ pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
 /// checksums are of the bytes it wrote), without reading it back: every
 /// listed file at its current version. For the writer's own short-lived
 /// output, such as a fork layer that child processes load next (they
-/// trust the writer's data either way); `durable: false` skips the fsyncs
-/// as that layer's own writes do. A file changed after this changes its
+/// trust the writer's data either way). Unsynced, as that layer's own
+/// writes are. A file changed after this changes its
 /// ctime (on kernels with fine-grained timestamps, those since 6.13, even
 /// within the same clock tick: this call's `fstat` asks for them), and is
 /// verified again.
-pub fn seal_written(snap: &Snapshot, durable: bool) -> Result<usize, SnapshotError> {
-    seal_with(snap, durable, |_, _| true)
+pub fn seal_written(snap: &Snapshot) -> Result<usize, SnapshotError> {
+    seal_with(snap, false, |_, _| true)
 }
 
 fn seal_with(

@@ -545,48 +545,56 @@ mod tests {
         assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
     }
 
+    /// A full snapshot of 64 pages filled from `seed`, and its memory
+    /// layer's file name.
+    fn sealable(dir: &Path, seed: u64) -> (Snapshot, String) {
+        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
+        crate::testutil::fill(&mut ram, seed, 9);
+        let s = crate::testutil::full(dir, "s", &ram);
+        let layer = s.manifest().memory_layers[0].data.name.clone();
+        (s, layer)
+    }
+
+    /// Writes one byte of `layer` in place (a new ctime) and checks that a
+    /// load in a new process refuses it.
+    fn changed_in_place_is_refused(d: &Path, layer: &str, at: u64) {
+        use std::os::unix::fs::FileExt;
+        forget_verified();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(layer))
+            .unwrap();
+        f.write_all_at(&[0xa5], at).unwrap();
+        drop(f);
+        let e = Snapshot::load(d).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+    }
+
     #[test]
     fn a_layer_sealed_by_its_writer_loads_unhashed_elsewhere_until_it_changes() {
-        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
-        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
-        crate::testutil::fill(&mut ram, 3, 11);
-        let s = crate::testutil::full(dir.path(), "s", &ram);
+        let (s, layer) = sealable(dir.path(), 3);
         let d = s.dir().to_path_buf();
         // Not verified by this process: sealed as written.
         forget_verified();
-        let n = crate::format::seal::seal_written(&s, false).unwrap();
+        let n = crate::format::seal::seal_written(&s).unwrap();
         assert!(n >= 1);
-        let layer = s.manifest().memory_layers[0].data.name.clone();
         assert!(crate::format::seal::sealed(&d).contains_key(&layer));
         forget_verified();
         let before = HASHED.with(|h| h.get());
         assert!(Snapshot::load(&d).is_ok());
         assert_eq!(HASHED.with(|h| h.get()), before, "nothing hashed");
-        forget_verified();
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(d.join(&layer))
-            .unwrap();
-        f.write_all_at(&[0x5a], 3 * crate::PAGE_SIZE as u64 + 7)
-            .unwrap();
-        drop(f);
-        let e = Snapshot::load(&d).unwrap_err();
-        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+        changed_in_place_is_refused(&d, &layer, 3 * crate::PAGE_SIZE as u64 + 7);
     }
 
     #[test]
     fn a_sealed_snapshot_loads_unhashed_in_a_new_process_and_a_change_after_is_refused() {
-        use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
-        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
-        crate::testutil::fill(&mut ram, 5, 9);
-        let s = crate::testutil::full(dir.path(), "s", &ram);
+        let (s, layer) = sealable(dir.path(), 5);
         let d = s.dir().to_path_buf();
         let n = crate::format::seal::seal(&Snapshot::load(&d).unwrap()).unwrap();
         assert!(n >= 1, "the memory layer is sealed");
         let sealed = crate::format::seal::sealed(&d);
-        let layer = s.manifest().memory_layers[0].data.name.clone();
         assert!(sealed.contains_key(&layer), "{sealed:?}");
         // As a new process: nothing remembered, the seal is used (nothing
         // is hashed).
@@ -604,16 +612,7 @@ mod tests {
         assert!(Snapshot::load(&d).is_ok());
         assert!(HASHED.with(|h| h.get()) > before);
         std::fs::rename(d.join("sealed.off"), d.join(".sealed")).unwrap();
-        forget_verified();
         // Changed in place after the seal: a new ctime, hashed, refused.
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(d.join(&layer))
-            .unwrap();
-        f.write_all_at(&[0xa5], 5 * crate::PAGE_SIZE as u64 + 1)
-            .unwrap();
-        drop(f);
-        let e = Snapshot::load(&d).unwrap_err();
-        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+        changed_in_place_is_refused(&d, &layer, 5 * crate::PAGE_SIZE as u64 + 1);
     }
 }
