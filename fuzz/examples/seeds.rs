@@ -35,11 +35,20 @@ fn spec() -> VmSpec {
         cmdline: "console=ttyS0".into(),
         vcpus: 2,
         mem_mib: 128,
-        disks: vec![DiskConfig {
-            path: "disk.img".into(),
-            read_only: true,
-            id: "root".into(),
-        }],
+        disks: vec![
+            DiskConfig {
+                path: "disk.img".into(),
+                read_only: true,
+                id: "root".into(),
+                base: None,
+            },
+            DiskConfig {
+                path: "top.img".into(),
+                read_only: false,
+                id: "disk".into(),
+                base: Some("template.img".into()),
+            },
+        ],
         vsock: Some(VsockConfig {
             guest_cid: 3,
             uds_path: "v.sock".into(),

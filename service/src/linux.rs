@@ -99,8 +99,15 @@ pub struct LinuxRun {
     /// `test`, `default` or a path to an ext4 base image; `default` if `None`.
     pub image: Option<String>,
     /// The writable disk: an ext4 image, created from the template if it does
-    /// not exist (and kept). A private temporary copy if `None`.
+    /// not exist (and kept). A private temporary disk if `None`.
     pub disk: Option<PathBuf>,
+    /// Where `disk`'s base is kept (sproutd: beside the sandbox's files,
+    /// where its worker cannot write). A new disk is then only a top over
+    /// the template, which is hard-linked here: nothing is copied. An
+    /// existing disk is a top over this file when it exists, else a whole
+    /// image. `None` with `disk` set: a new disk is a whole copy of the
+    /// template, the caller's to keep.
+    pub disk_base: Option<PathBuf>,
     pub cpus: u8,
     pub memory_mib: u64,
     /// Appended to [`DEFAULT_CMDLINE`].
@@ -120,6 +127,7 @@ impl LinuxRun {
             kernel: None,
             image: None,
             disk: None,
+            disk_base: None,
             cpus: 1,
             memory_mib: 256,
             cmdline: String::new(),
@@ -390,7 +398,8 @@ pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
     check_kernel(&kernel)?;
     let image = resolve_image(run.image.as_deref())?;
     if let Some(d) = run.disk.as_ref().filter(|d| d.exists()) {
-        check_ext4(d)?;
+        // A top over a base need not hold the superblock itself.
+        check_ext4(existing_base(run).as_ref().unwrap_or(d))?;
     }
     let t = Instant::now();
     vmm::arch::probe::check_linux_guests_cached(&cache_dir())?;
@@ -399,23 +408,8 @@ pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
         t.elapsed().as_micros()
     );
 
-    let disk = match &run.disk {
-        Some(d) if d.exists() => d.clone(),
-        d => {
-            let dst = d.clone().unwrap_or_else(|| dir.join("disk.ext4"));
-            let template = cache_dir().join("images/scratch.ext4");
-            if !template.is_file() {
-                return Err(LinuxError::NoTemplate(template));
-            }
-            let t = Instant::now();
-            copy_sparse(&template, &dst).map_err(|e| LinuxError::Disk(dst.clone(), e))?;
-            log::debug!(
-                "writable disk copied from the template: {} us",
-                t.elapsed().as_micros()
-            );
-            dst
-        }
-    };
+    let template = cache_dir().join("images/scratch.ext4");
+    let (disk, disk_base) = writable_disk(run, dir, &template)?;
     let uds = run
         .vsock_uds
         .clone()
@@ -428,11 +422,13 @@ pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
             path: image,
             read_only: true,
             id: "base".into(),
+            base: None,
         },
         DiskConfig {
             path: disk,
             read_only: false,
             id: "disk".into(),
+            base: disk_base,
         },
     ];
     cfg.vsock = Some(VsockConfig {
@@ -441,6 +437,88 @@ pub fn vm_config(run: &LinuxRun, dir: &Path) -> Result<VmConfig, LinuxError> {
     });
     cfg.rng = true;
     Ok(cfg)
+}
+
+/// `run`'s kept base, when its disk exists and has one.
+fn existing_base(run: &LinuxRun) -> Option<PathBuf> {
+    run.disk_base.clone().filter(|b| b.exists())
+}
+
+/// The writable disk of `run` (made in `dir` when it names none, from
+/// `template`) and its base. An existing disk is used as it is, over its kept base if it has
+/// one. A new disk is an empty sparse top the template's size over the
+/// template, so nothing is copied before the VM starts: over the template's
+/// build itself for a private temporary disk (a build is never rewritten,
+/// only replaced), else over a hard link to it at `run.disk_base`, which
+/// outlives a rebuilt or removed cache. The template is copied whole
+/// instead for a disk the caller names with no place for a base, and where
+/// a top cannot be trusted or the link cannot be made (another file system).
+fn writable_disk(
+    run: &LinuxRun,
+    dir: &Path,
+    template: &Path,
+) -> Result<(PathBuf, Option<PathBuf>), LinuxError> {
+    if let Some(d) = run.disk.as_ref().filter(|d| d.exists()) {
+        return Ok((d.clone(), existing_base(run)));
+    }
+    let dst = run.disk.clone().unwrap_or_else(|| dir.join("disk.ext4"));
+    if !template.is_file() {
+        return Err(LinuxError::NoTemplate(template.to_owned()));
+    }
+    let t = Instant::now();
+    let disk_err = |e| LinuxError::Disk(dst.clone(), e);
+    let template = template.canonicalize().map_err(disk_err)?;
+    let parent = dst.parent().unwrap_or(Path::new("."));
+    let base = match (&run.disk, &run.disk_base) {
+        _ if !keeps_written_zeros(parent) => None,
+        (Some(_), None) => None,
+        (None, _) => Some(template.clone()),
+        (Some(_), Some(b)) => {
+            let _ = std::fs::remove_file(b);
+            match std::fs::hard_link(&template, b) {
+                Ok(()) => Some(b.clone()),
+                Err(e) => {
+                    log::debug!(
+                        "cannot link the disk template to {} ({e}): copying it",
+                        b.display()
+                    );
+                    None
+                }
+            }
+        }
+    };
+    match &base {
+        Some(_) => {
+            let len = std::fs::metadata(&template).map_err(disk_err)?.len();
+            let top = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&dst)
+                .map_err(disk_err)?;
+            top.set_len(len).map_err(disk_err)?;
+            log::debug!(
+                "writable disk: an empty top over the template: {} us",
+                t.elapsed().as_micros()
+            );
+        }
+        None => {
+            copy_sparse(&template, &dst).map_err(disk_err)?;
+            log::debug!(
+                "writable disk copied from the template: {} us",
+                t.elapsed().as_micros()
+            );
+        }
+    }
+    Ok((dst, base))
+}
+
+/// Whether files in `dir` keep written blocks as data, which a top over a
+/// base relies on ([`devices::virtio::block::LayeredDisk::open_file_over`]):
+/// not on ZFS, which may store a block of zeros as a hole.
+fn keeps_written_zeros(dir: &Path) -> bool {
+    const ZFS_SUPER_MAGIC: u64 = 0x2fc1_2fc1;
+    // f_type's width differs between targets; the magic fits in 32 bits.
+    rustix::fs::statfs(dir).is_ok_and(|s| s.f_type as u64 & 0xffff_ffff != ZFS_SUPER_MAGIC)
 }
 
 /// Where the guest console goes: the terminal without a job; with one it is
@@ -748,6 +826,79 @@ mod tests {
         let d = std::env::temp_dir().join(format!("sprout-linux-test-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d.join(name)
+    }
+
+    /// What each kind of caller gets as its writable disk: sproutd (a place
+    /// for a base) an empty top over a hard link to the template, then the
+    /// same again at its next boot; `sprout vm run --disk NEW` a whole
+    /// copy; a private disk a top over the template's build itself; and a
+    /// copy when the link cannot be made.
+    #[test]
+    fn a_new_disk_is_an_empty_top_over_the_template_or_else_a_copy() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let build = d.join("build");
+        std::fs::create_dir(&build).unwrap();
+        let mut f = File::create(build.join("scratch.ext4")).unwrap();
+        f.set_len(1 << 30).unwrap();
+        f.seek(SeekFrom::Start(EXT4_MAGIC_OFFSET)).unwrap();
+        f.write_all(&EXT4_MAGIC.to_le_bytes()).unwrap();
+        drop(f);
+        let template = d.join("scratch.ext4");
+        std::os::unix::fs::symlink(build.join("scratch.ext4"), &template).unwrap();
+        let run = |disk: Option<PathBuf>, disk_base: Option<PathBuf>| LinuxRun {
+            disk,
+            disk_base,
+            ..LinuxRun::new()
+        };
+        let blocks = |p: &Path| std::fs::metadata(p).unwrap().blocks();
+
+        // sproutd: a top and a link; at the next boot, the same.
+        let (disk, base) = (d.join("vm/disk.ext4"), d.join("disk-base.ext4"));
+        std::fs::create_dir(d.join("vm")).unwrap();
+        let r = run(Some(disk.clone()), Some(base.clone()));
+        let (got, got_base) = writable_disk(&r, d, &template).unwrap();
+        assert_eq!((&got, got_base.as_ref()), (&disk, Some(&base)));
+        assert_eq!(std::fs::metadata(&disk).unwrap().len(), 1 << 30);
+        assert_eq!(blocks(&disk), 0, "nothing copied");
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+        assert_eq!(ino(&base), ino(&build.join("scratch.ext4")), "a hard link");
+        assert_eq!(
+            writable_disk(&r, d, &template).unwrap(),
+            (disk.clone(), Some(base.clone()))
+        );
+        // Without its base (flattened), the disk is a whole image.
+        std::fs::remove_file(&base).unwrap();
+        assert_eq!(writable_disk(&r, d, &template).unwrap(), (disk, None));
+
+        // A disk the user names: theirs, a whole copy.
+        let mine = d.join("mine.ext4");
+        let (got, none) = writable_disk(&run(Some(mine.clone()), None), d, &template).unwrap();
+        assert_eq!((got, none), (mine.clone(), None));
+        assert!(blocks(&mine) > 0);
+        check_ext4(&mine).unwrap();
+
+        // A private disk: over the template's build itself.
+        let (got, b) = writable_disk(&run(None, None), d, &template).unwrap();
+        assert_eq!(got, d.join("disk.ext4"));
+        assert_eq!(b, Some(build.join("scratch.ext4").canonicalize().unwrap()));
+
+        // No link possible: a copy.
+        let far = d.join("far.ext4");
+        let r = run(Some(far.clone()), Some(d.join("no/such/dir/base.ext4")));
+        assert_eq!(
+            writable_disk(&r, d, &template).unwrap(),
+            (far.clone(), None)
+        );
+        check_ext4(&far).unwrap();
+
+        // No template: said so.
+        let r = run(Some(d.join("x.ext4")), Some(d.join("xb.ext4")));
+        assert!(matches!(
+            writable_disk(&r, d, &d.join("missing.ext4")),
+            Err(LinuxError::NoTemplate(_))
+        ));
     }
 
     #[test]

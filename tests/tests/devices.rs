@@ -47,11 +47,13 @@ fn blk_writes_land_in_the_disk_file_and_the_base_stays_intact() {
             path: base.clone(),
             read_only: true,
             id: "base-image".into(),
+            base: None,
         },
         DiskConfig {
             path: disk.clone(),
             read_only: false,
             id: "scratch-disk".into(),
+            base: None,
         },
     ];
     let vm = boot(cfg, &console);
@@ -289,4 +291,100 @@ fn vsock_connections_beyond_the_budget_are_refused_and_the_vm_keeps_serving() {
     let mut got = [0u8; 5];
     again.read_exact(&mut got).unwrap();
     assert_eq!(&got, b"again");
+}
+
+/// A writable disk made as an empty top over a read-only template (what a
+/// Linux sandbox's disk is): the guest reads the template through it, its
+/// writes land in the top only, a snapshot of it restores without the
+/// template (its disk layer holds every cluster), and the template never
+/// changes.
+#[test]
+fn a_disk_that_is_a_top_over_a_template_reads_it_and_writes_only_the_top() {
+    use vmm::{MemoryBackend, RestoreOptions, SnapshotKind, Vm};
+    let dir = TempDir::new("blk-base");
+    let template = dir.path().join("template.img");
+    let top = dir.path().join("disk.img");
+    make_base_image(&template, 64);
+    let template_before = std::fs::read(&template).unwrap();
+    std::fs::File::create(&top)
+        .unwrap()
+        .set_len(64 * SECTOR)
+        .unwrap();
+    let (mut cfg, console) = config(1, 256);
+    cfg.disks = vec![DiskConfig {
+        path: top.clone(),
+        read_only: false,
+        id: "disk".into(),
+        base: Some(template.clone()),
+    }];
+    let mut vm = boot(cfg, &console);
+    let mem = vm.memory();
+    let buf = TESTGUEST_SCRATCH;
+
+    // The template shows through the empty top.
+    call(&vm, 0, mb::CMD_BLK_READ, [0, 9, buf, 2]);
+    let mut got = vec![0u8; 1024];
+    mem.read_slice(&mut got, GuestAddress(buf)).unwrap();
+    assert_eq!(&got[..512], &sector_bytes(0xb0, 9)[..]);
+    assert_eq!(&got[512..], &sector_bytes(0xb0, 10)[..]);
+
+    // One sector written: its cluster (sectors 8 to 15) is copied up whole.
+    let data: Vec<u8> = (0..SECTOR).map(|i| (i * 5 + 3) as u8).collect();
+    mem.write_slice(&data, GuestAddress(buf + MIB)).unwrap();
+    call(&vm, 0, mb::CMD_BLK_WRITE, [0, 10, buf + MIB, 1]);
+    call(&vm, 0, mb::CMD_BLK_FLUSH, [0, 0, 0, 0]);
+    let on_top = std::fs::read(&top).unwrap();
+    assert_eq!(&on_top[10 * 512..11 * 512], &data[..]);
+    assert_eq!(&on_top[9 * 512..10 * 512], &sector_bytes(0xb0, 9)[..]);
+    assert!(
+        on_top[..8 * 512].iter().all(|&b| b == 0),
+        "the top holds one cluster"
+    );
+    assert!(on_top[16 * 512..].iter().all(|&b| b == 0));
+
+    // Restored from a snapshot, with the template gone, it is the same disk.
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    assert_eq!(std::fs::read(&template).unwrap(), template_before);
+    std::fs::rename(&template, dir.path().join("moved.img")).unwrap();
+    let mut o = RestoreOptions::new(MemoryBackend::Mmap);
+    o.scratch_dir = dir.path().to_path_buf();
+    let r = Vm::restore(&snap, o).unwrap();
+    let mem = r.memory();
+    for (sector, want) in [
+        (9, sector_bytes(0xb0, 9)),
+        (10, data.clone()),
+        (40, sector_bytes(0xb0, 40)),
+    ] {
+        call(&r, 0, mb::CMD_BLK_READ, [0, sector, buf + 2 * MIB, 1]);
+        let mut back = vec![0u8; SECTOR as usize];
+        mem.read_slice(&mut back, GuestAddress(buf + 2 * MIB))
+            .unwrap();
+        assert_eq!(back, want, "sector {sector} after the restore");
+    }
+}
+
+#[test]
+fn a_base_under_a_read_only_disk_or_missing_is_refused() {
+    let dir = TempDir::new("blk-base-bad");
+    let img = dir.path().join("a.img");
+    make_base_image(&img, 8);
+    let (mut cfg, _) = config(1, 256);
+    let disk = |read_only, base: &Path| DiskConfig {
+        path: img.clone(),
+        read_only,
+        id: "d".into(),
+        base: Some(base.to_path_buf()),
+    };
+    cfg.disks = vec![disk(true, &img)];
+    assert!(matches!(
+        cfg.validate(),
+        Err(vmm::config::ConfigError::ReadOnlyBase(_))
+    ));
+    cfg.disks = vec![disk(false, &dir.path().join("missing"))];
+    assert!(matches!(
+        cfg.validate(),
+        Err(vmm::config::ConfigError::DiskMissing(_))
+    ));
 }

@@ -115,6 +115,7 @@ fn host_controls_a_vm_whose_guest_floods_blk_and_rng() {
         path: disk,
         read_only: false,
         id: "flood".into(),
+        base: None,
     }];
     cfg.rng = true;
     let mut vm = boot(cfg, &console);

@@ -46,6 +46,7 @@ fn eight_children_each_see_only_their_own_writes() {
         path: disk.clone(),
         read_only: false,
         id: "d".into(),
+        base: None,
     }];
     let mut parent = boot(cfg, &console);
     call(&parent, 0, mb::CMD_FILL, [A, BIG, 1, 0]);

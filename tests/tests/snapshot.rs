@@ -144,6 +144,7 @@ fn a_staged_diff_holds_the_paused_instant_of_memory_and_disk() {
         path: disk,
         read_only: false,
         id: "data".into(),
+        base: None,
     }];
     let mut vm = boot(cfg, &console);
     let (a, buf) = (TESTGUEST_SCRATCH, TESTGUEST_SCRATCH + 2 * MIB);
@@ -226,6 +227,7 @@ fn devices_continue_after_restore_and_disks_diverge_privately() {
         path: disk.clone(),
         read_only: false,
         id: "data".into(),
+        base: None,
     }];
     cfg.vsock = Some(VsockConfig {
         guest_cid: 9,
@@ -446,6 +448,7 @@ fn disk_layers_come_from_the_manifest_not_from_file_names() {
         path: disk,
         read_only: false,
         id: "data".into(),
+        base: None,
     }];
     let mut vm = boot(cfg, &console);
     let buf = TESTGUEST_SCRATCH;

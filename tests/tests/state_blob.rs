@@ -29,6 +29,7 @@ fn snapshot_state(dir: &TempDir, vcpus: u8) -> Vec<u8> {
         path: disk,
         read_only: false,
         id: "data".into(),
+        base: None,
     }];
     cfg.vsock = Some(VsockConfig {
         guest_cid: 9,

@@ -14,6 +14,12 @@ pub struct DiskConfig {
     pub read_only: bool,
     /// Returned to the guest by GET_ID (at most 20 bytes).
     pub id: String,
+    /// A writable disk's read-only base, the size of `path`: `path` is then
+    /// a top over it that holds only the clusters written to the disk, and
+    /// the rest read from the base (so a new disk costs nothing to make).
+    /// Boot only: a snapshot's disk layers hold every cluster, so it records
+    /// no base, and a restored disk never reads one.
+    pub base: Option<PathBuf>,
 }
 
 /// The virtio-vsock device and the Unix socket its host side listens on.
@@ -147,6 +153,11 @@ impl VmConfig {
             if d.id.len() > 20 {
                 return Err(ConfigError::DiskId(d.id.clone()));
             }
+            match &d.base {
+                Some(_) if d.read_only => return Err(ConfigError::ReadOnlyBase(d.path.clone())),
+                Some(b) if !b.is_file() => return Err(ConfigError::DiskMissing(b.clone())),
+                _ => {}
+            }
         }
         if self.virtio_devices() > layout::VIRTIO_MMIO_MAX as usize {
             return Err(ConfigError::TooManyDevices(self.virtio_devices()));
@@ -172,6 +183,8 @@ pub enum ConfigError {
     DiskMissing(PathBuf),
     #[error("Disk id {0:?} is longer than 20 bytes")]
     DiskId(String),
+    #[error("Disk {0} is read-only and has a base: only a writable disk is a top over a base")]
+    ReadOnlyBase(PathBuf),
     #[error("{0} virtio devices asked for, the limit is {max}", max = layout::VIRTIO_MMIO_MAX)]
     TooManyDevices(usize),
     #[error("vsock guest CID {0} is out of range: use 3 to 4294967294")]

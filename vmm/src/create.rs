@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use devices::legacy::{Serial, I8042};
-use devices::virtio::block::{Block, BlockConfig, LayeredDisk};
+use devices::virtio::block::{Block, BlockConfig, LayerFiles, LayeredDisk};
 use devices::virtio::net::{Net, Tap};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
@@ -152,7 +152,8 @@ impl DeviceSource for BootDevices<'_> {
         let mut out = Vec::new();
         for d in &config.disks {
             // A writable disk is a layered disk whose top is the user's file: guest
-            // writes land in it, and snapshots copy only its data.
+            // writes land in it, and snapshots copy only its data. With a base,
+            // the top holds only what was written and the rest reads from it.
             let blk = if d.read_only {
                 Block::new(BlockConfig {
                     path: d.path.clone(),
@@ -161,7 +162,8 @@ impl DeviceSource for BootDevices<'_> {
                 })
                 .map_err(|e| VmError::Disk(d.path.clone(), e))?
             } else {
-                let disk = LayeredDisk::open_file(&d.path)
+                let base = d.base.iter().map(LayerFiles::raw).collect();
+                let disk = LayeredDisk::open_file_over(base, &d.path)
                     .map_err(|e| VmError::LayeredDisk(d.path.clone(), e))?;
                 Block::with_layered(Arc::new(disk), false, &d.id)
                     .map_err(|e| VmError::Disk(d.path.clone(), e))?

@@ -39,6 +39,8 @@ pub enum StateBlobError {
 pub struct VmState {
     /// [`STATE_VERSION`] when written: first, so it can be read alone.
     pub version: u32,
+    /// Recorded without any disk's base ([`blob_spec`]).
+    #[serde(with = "blob_spec")]
     pub spec: VmSpec,
     pub entry: EntryKind,
     pub arch: VmArchState,
@@ -49,6 +51,93 @@ pub struct VmState {
     pub virtio: Vec<VirtioSlot>,
     /// The test guest's mailbox: which vCPUs had said they were ready.
     pub mailbox_ready: u8,
+}
+
+/// How the blob records a [`VmSpec`]: as it is, but for each disk's base,
+/// which is left out (a snapshot's disk layers hold every cluster, so a
+/// restore never reads a base) and reads back as none. The blob keeps the
+/// shape it had before disks had bases.
+mod blob_spec {
+    use std::path::PathBuf;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::config::{DiskConfig, NetConfig, VmSpec, VsockConfig};
+
+    #[derive(Serialize, Deserialize)]
+    struct Spec {
+        kernel: PathBuf,
+        cmdline: String,
+        vcpus: u8,
+        mem_mib: u64,
+        disks: Vec<Disk>,
+        vsock: Option<VsockConfig>,
+        rng: bool,
+        net: Option<NetConfig>,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct Disk {
+        path: PathBuf,
+        read_only: bool,
+        id: String,
+    }
+
+    pub fn serialize<S: Serializer>(s: &VmSpec, ser: S) -> Result<S::Ok, S::Error> {
+        Spec {
+            kernel: s.kernel.clone(),
+            cmdline: s.cmdline.clone(),
+            vcpus: s.vcpus,
+            mem_mib: s.mem_mib,
+            disks: s
+                .disks
+                .iter()
+                .map(|d| Disk {
+                    path: d.path.clone(),
+                    read_only: d.read_only,
+                    id: d.id.clone(),
+                })
+                .collect(),
+            vsock: s.vsock.clone(),
+            rng: s.rng,
+            net: s.net.clone(),
+        }
+        .serialize(ser)
+    }
+
+    /// A spec encoded as the blob records it.
+    #[cfg(test)]
+    pub struct AsBlob<'a>(pub &'a VmSpec);
+
+    #[cfg(test)]
+    impl Serialize for AsBlob<'_> {
+        fn serialize<S: Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+            serialize(self.0, ser)
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(de: D) -> Result<VmSpec, D::Error> {
+        let s = Spec::deserialize(de)?;
+        Ok(VmSpec {
+            kernel: s.kernel,
+            cmdline: s.cmdline,
+            vcpus: s.vcpus,
+            mem_mib: s.mem_mib,
+            disks: s
+                .disks
+                .into_iter()
+                .map(|d| DiskConfig {
+                    path: d.path,
+                    read_only: d.read_only,
+                    id: d.id,
+                    base: None,
+                })
+                .collect(),
+            vsock: s.vsock,
+            rng: s.rng,
+            net: s.net,
+        })
+    }
 }
 
 /// One virtio-mmio slot: its transport and the device behind it.
@@ -145,6 +234,27 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn a_disk_base_is_not_recorded_and_reads_back_as_none() {
+        let mut spec = crate::VmConfig::new("/vmlinux").spec();
+        let disk = |base: Option<&str>| crate::config::DiskConfig {
+            path: "/disk.ext4".into(),
+            read_only: false,
+            id: "disk".into(),
+            base: base.map(Into::into),
+        };
+        spec.disks = vec![disk(Some("/template.ext4"))];
+        let with = postcard::to_allocvec(&blob_spec::AsBlob(&spec)).unwrap();
+        let mut plain = spec.clone();
+        plain.disks = vec![disk(None)];
+        assert_eq!(
+            with,
+            postcard::to_allocvec(&blob_spec::AsBlob(&plain)).unwrap()
+        );
+        let mut de = postcard::Deserializer::from_bytes(&with);
+        assert_eq!(blob_spec::deserialize(&mut de).unwrap(), plain);
+    }
+
     /// Found by the `state_blob` fuzz target: a KVM structure of the wrong
     /// length (kvm-bindings' serde zero-fills a short one and truncates a long
     /// one) and trailing bytes decoded as if the blob were whole.
@@ -155,8 +265,14 @@ mod tests {
         let cpu = &st.vcpus[0];
         // Everything before vCPU 0's registers, then the registers (a length
         // varint and the raw struct).
-        let head =
-            postcard::to_allocvec(&(st.version, &st.spec, &st.entry, &st.arch, 1u8)).unwrap();
+        let head = postcard::to_allocvec(&(
+            st.version,
+            blob_spec::AsBlob(&st.spec),
+            &st.entry,
+            &st.arch,
+            1u8,
+        ))
+        .unwrap();
         let head = [
             head,
             postcard::to_allocvec(&(&cpu.cpuid, &cpu.msrs)).unwrap(),

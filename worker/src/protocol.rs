@@ -24,7 +24,10 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 pub const MAGIC: [u8; 4] = *b"SPWK";
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Bumped whenever a message changes shape (2: a disk's base in
+/// [`vmm::config::DiskConfig`]). A worker of another version (one a previous
+/// sproutd left) is reported as speaking that version.
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 12;
 /// Largest payload either side accepts.
 pub const MAX_FRAME: usize = 64 * 1024;

@@ -169,6 +169,7 @@ fn boot(dir: &Path) -> (WorkerProcess, PathBuf) {
         path: disk,
         read_only: false,
         id: "jail0".into(),
+        base: None,
     }];
     c.vsock = Some(vmm::VsockConfig {
         guest_cid: 42,
@@ -620,6 +621,7 @@ fn rooted_workers_boot_and_restore_from_files_exposed_after_they_started() {
         path: disk,
         read_only: false,
         id: "jail0".into(),
+        base: None,
     }];
     c.vsock = Some(vmm::VsockConfig {
         guest_cid: 42,

@@ -300,6 +300,8 @@ impl RunArgs {
             kernel: self.kernel.map(PathBuf::from),
             image: self.image,
             disk: self.disk,
+            // A disk the user names is theirs to keep: a whole image.
+            disk_base: None,
             cpus: self.cpus,
             memory_mib: self.memory_mib,
             cmdline: match self.runtime {
@@ -331,6 +333,7 @@ fn run(a: RunArgs) -> Result<bool> {
             path: PathBuf::from(p),
             read_only: true,
             id: "base".into(),
+            base: None,
         });
     }
     if let Some(p) = a.disk {
@@ -347,6 +350,7 @@ fn run(a: RunArgs) -> Result<bool> {
             path: p,
             read_only: false,
             id: "disk".into(),
+            base: None,
         });
     }
     match (a.vsock_cid, a.vsock_uds) {

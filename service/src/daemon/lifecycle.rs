@@ -1161,13 +1161,8 @@ impl App {
                 .ok_or_else(|| ApiError::internal(format!("snapshot {snap} is gone")))?
                 .dir;
             let a = self.clone();
-            self.blocking(move || {
-                let dst = a.supervisor.disk_path(id);
-                a.supervisor
-                    .flatten_disk(&top, &dst)
-                    .map_err(snapshot_failed)
-            })
-            .await?;
+            self.blocking(move || a.supervisor.flatten_disk(&top, id).map_err(snapshot_failed))
+                .await?;
         }
         let image = self.image(&s.image).map(|i| i.path).ok_or_else(|| {
             ApiError::new(

@@ -31,7 +31,8 @@ use super::error::chain;
 use super::pool::{move_in, Pool, Ready};
 use super::registry::Sandbox;
 use super::supervisor::{
-    give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, VM_SUBDIR, WORKER_LOG,
+    give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, DISK_BASE, VM_SUBDIR,
+    WORKER_LOG,
 };
 
 /// In `<data dir>`: the snapshots.
@@ -257,10 +258,11 @@ impl Supervisor {
     }
 
     /// Writes the writable disk of the snapshot `top` (its layers and its
-    /// chain's, flattened) as the plain disk `dst` (replaced), the jail
-    /// uid's when workers are jailed: what a cold boot from that snapshot's
-    /// disk boots with.
-    pub fn flatten_disk(&self, top: &Path, dst: &Path) -> Result<(), String> {
+    /// chain's, flattened) as sandbox `id`'s plain disk (replaced, and no
+    /// longer a top over a base), the jail uid's when workers are jailed:
+    /// what a cold boot from that snapshot's disk boots with.
+    pub fn flatten_disk(&self, top: &Path, id: Uuid) -> Result<(), String> {
+        let dst = &self.disk_path(id);
         let snaps = snapshot::format::Snapshot::load_chain(top)
             .map_err(|e| format!("Cannot load {}: {}", top.display(), chain(&e)))?;
         let last = snaps.last().ok_or("An empty snapshot chain")?;
@@ -310,6 +312,16 @@ impl Supervisor {
             if let Some(o) = &self.cmd.jail {
                 give(&out, o.uid, o.gid)?;
             }
+            // The old disk's base goes first: a whole image over it would
+            // read the base through its holes. (Between the two steps the
+            // old disk, which this replaces, is a top without its base.)
+            let base = self.disk_base_path(id);
+            match std::fs::remove_file(&base) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(format!("Cannot remove {}: {e}", base.display()))
+                }
+                _ => {}
+            }
             std::fs::rename(&out, dst)
                 .map_err(|e| format!("Cannot move the flat disk to {}: {e}", dst.display()))
         })();
@@ -322,6 +334,11 @@ impl Supervisor {
     /// The writable disk of a booted sandbox (`vm/disk.ext4`).
     pub fn disk_path(&self, id: Uuid) -> PathBuf {
         self.vm_dir(id).join(VM_SUBDIR).join("disk.ext4")
+    }
+
+    /// The template its disk is a top over, while it is one.
+    pub fn disk_base_path(&self, id: Uuid) -> PathBuf {
+        self.vm_dir(id).join(DISK_BASE)
     }
 
     /// Removes a snapshot's files (`dir` is its `s`; its parent, the

@@ -6,7 +6,10 @@
 //! its worker's control socket (`control.sock`), the guest console
 //! (`console.log`) and the worker's stderr (`worker.log`), and `vm/`, the
 //! one part its worker may write: its private writable disk (`disk.ext4`)
-//! and its vsock socket (`vsock.sock`). Workers are detached (their own
+//! and its vsock socket (`vsock.sock`). A disk made at a boot is a sparse
+//! top over the disk template, hard-linked as `disk-base.ext4` (in the
+//! sandbox's directory, where the worker cannot change what its disk
+//! reads): it holds only what the guest wrote. Workers are detached (their own
 //! session): they outlive `sproutd`. Everything here that talks to a worker
 //! blocks; callers run it on tokio's blocking pool.
 //!
@@ -56,6 +59,9 @@ pub const WORKER_LOG: &str = "worker.log";
 /// In a sandbox's directory: the part its worker may write (its disk and
 /// vsock socket), exposed read-write into its jail.
 pub const VM_SUBDIR: &str = "vm";
+/// In a sandbox's directory: the template its writable disk (`vm/disk.ext4`)
+/// is a top over, hard-linked, while the disk is one.
+pub const DISK_BASE: &str = "disk-base.ext4";
 /// In `<data dir>`: the jailed workers' roots.
 pub const JAILS_DIR: &str = "jails";
 
@@ -189,6 +195,8 @@ impl Supervisor {
             let run = LinuxRun {
                 image: image_path.map(|p| p.to_string_lossy().into_owned()),
                 disk: Some(rw.join("disk.ext4")),
+                // Out of the worker's reach: it names what the disk reads.
+                disk_base: Some(dir.join(DISK_BASE)),
                 vsock_uds: Some(vsock.uds_path),
                 cpus: s.cpus,
                 memory_mib: u64::from(s.memory_mb),
@@ -513,8 +521,13 @@ impl Supervisor {
 fn expose(jail: &Jail, mut spec: VmSpec, rw: &Path) -> Result<VmSpec, JailError> {
     jail.expose(rw, false)?;
     spec.kernel = jail.expose(&spec.kernel, true)?;
-    for d in spec.disks.iter_mut().filter(|d| !d.path.starts_with(rw)) {
-        d.path = jail.expose(&d.path, d.read_only)?;
+    for d in spec.disks.iter_mut() {
+        if !d.path.starts_with(rw) {
+            d.path = jail.expose(&d.path, d.read_only)?;
+        }
+        if let Some(b) = &d.base {
+            d.base = Some(jail.expose(b, true)?);
+        }
     }
     Ok(spec)
 }

@@ -19,9 +19,12 @@
 //!   taken over). Only clusters present are read and written, and all-zero clusters
 //!   become holes, so a layer costs in proportion to the data, not the disk size.
 //!
-//! The top is not persistent: it is unlinked as soon as it is created and lives as long
-//! as the disk; persistence comes from layers written at snapshots. Flush is therefore
-//! a no-op; `write_layer` syncs the files it writes.
+//! The top made by [`LayeredDisk::create`] is not persistent: it is unlinked as soon as
+//! it is created and lives as long as the disk; persistence comes from layers written at
+//! snapshots, so a flush does nothing (`write_layer` syncs the files it writes). A top
+//! opened from an existing file ([`LayeredDisk::open_file`],
+//! [`LayeredDisk::open_file_over`]: a VM's own writable disk, possibly over a read-only
+//! template) is kept, and a flush syncs it.
 //!
 //! Limits: disk size a multiple of 512 bytes, at most [`MAX_DISK_SIZE`]; at most
 //! [`MAX_LAYERS`] read-only layers. Memory: one bit per cluster per layer, plus two for
@@ -156,6 +159,9 @@ struct Top {
     file: File,
     allocated: Bitmap,
     dirty: Bitmap,
+    /// A file that outlives the disk ([`LayeredDisk::open_file_over`]),
+    /// which a guest flush syncs; not an unlinked scratch top.
+    kept: bool,
 }
 
 /// Where one cluster's bytes come from.
@@ -283,6 +289,7 @@ impl LayeredDisk {
                     file,
                     allocated: Bitmap::new(clusters),
                     dirty: Bitmap::new(clusters),
+                    kept: false,
                 },
                 scratch: Vec::new(),
             }),
@@ -294,6 +301,20 @@ impl LayeredDisk {
     /// the clusters the top already holds. Snapshots copy only those (full)
     /// or what was written since the last mark (diff).
     pub fn open_file(top_path: &Path) -> Result<Self, LayeredError> {
+        Self::open_file_over(Vec::new(), top_path)
+    }
+
+    /// A disk whose top is the existing file at `top_path`, kept (guest
+    /// writes land in it; a guest flush syncs it), over `layers` (bottom
+    /// first, each the top's size). The top holds the clusters that are data
+    /// extents in it: a cluster it never held reads from the layers. So the
+    /// top must stay on a file system that keeps written blocks as data
+    /// (not one that turns written zeros into holes, as ZFS with compression
+    /// does): otherwise a zeroed cluster would read as the layer below.
+    pub fn open_file_over(layers: Vec<LayerFiles>, top_path: &Path) -> Result<Self, LayeredError> {
+        if layers.len() > MAX_LAYERS {
+            return Err(LayeredError::TooManyLayers(layers.len()));
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -312,16 +333,22 @@ impl LayeredDisk {
         if size == 0 || !size.is_multiple_of(SECTOR_SIZE) || size > MAX_DISK_SIZE {
             return Err(LayeredError::DiskSize(size));
         }
+        let opened = layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| open_layer(l, size, i == 0))
+            .collect::<Result<Vec<_>, _>>()?;
         let clusters = size.div_ceil(CLUSTER_SIZE);
         let allocated = data_clusters(&file, size);
         Ok(Self {
             size,
             inner: Mutex::new(Inner {
-                layers: Vec::new(),
+                layers: opened,
                 top: Top {
                     file,
                     allocated,
                     dirty: Bitmap::new(clusters),
+                    kept: true,
                 },
                 scratch: Vec::new(),
             }),
@@ -660,8 +687,14 @@ impl DiskBackend for Arc<LayeredDisk> {
         lock(&self.inner).write(buf, offset, self.size)
     }
 
-    /// Nothing to do: the top does not outlive the disk (see the module docs).
+    /// Syncs a kept top (the guest asked for its writes to be durable);
+    /// nothing for a scratch top, which does not outlive the disk (see the
+    /// module docs).
     fn flush(&mut self) -> io::Result<()> {
+        let inner = lock(&self.inner);
+        if inner.top.kept {
+            inner.top.file.sync_data()?;
+        }
         Ok(())
     }
 

@@ -509,3 +509,52 @@ fn a_staged_diff_is_the_layer_of_its_instant() {
     let now = dir.disk(vec![base_files, files, next], size);
     assert!(read_all(&now) == read_all(&d));
 }
+
+/// A kept top over a read-only template: the template shows through where
+/// the top holds nothing, writes (partial clusters copied up first) land in
+/// the top file only, and the same file reopened over the same template is
+/// the same disk; the template never changes.
+#[test]
+fn a_kept_top_over_a_template_reads_through_and_reopens_as_the_same_disk() {
+    use crate::virtio::block::DiskBackend;
+    let dir = Dir::new();
+    let size = 16 * CS as u64;
+    let base: Vec<u8> = (0..size).map(|i| (i % 239) as u8 + 1).collect();
+    let template = dir.raw(&base);
+    let top = dir.path("disk.ext4");
+    std::fs::File::create(&top).unwrap().set_len(size).unwrap();
+
+    let d = std::sync::Arc::new(LayeredDisk::open_file_over(vec![template.clone()], &top).unwrap());
+    assert_eq!((d.layer_count(), d.allocated_clusters()), (1, 0));
+    assert!(
+        read_all(&d) == base,
+        "the template shows through an empty top"
+    );
+    let mut want = base.clone();
+    write(&d, &[0xaa; 100], 3 * CLUSTER_SIZE + 50);
+    want[3 * CS + 50..3 * CS + 150].fill(0xaa);
+    write(&d, &[0; CS], 7 * CLUSTER_SIZE);
+    want[7 * CS..8 * CS].fill(0);
+    assert!(read_all(&d) == want);
+    assert_eq!(d.allocated_clusters(), 2);
+    d.clone().flush().unwrap();
+    drop(d);
+
+    // Only the written clusters are in the top; the partial one was copied
+    // up whole; the template is untouched.
+    let top_bytes = std::fs::read(&top).unwrap();
+    assert!(top_bytes[3 * CS..4 * CS] == want[3 * CS..4 * CS]);
+    assert!(top_bytes[..3 * CS].iter().all(|&b| b == 0));
+    assert!(std::fs::read(&template.data).unwrap() == base);
+
+    let again = std::sync::Arc::new(LayeredDisk::open_file_over(vec![template], &top).unwrap());
+    assert_eq!(again.allocated_clusters(), 2);
+    assert!(read_all(&again) == want, "reopened, the same disk");
+
+    // A template of another size is refused.
+    let other = dir.raw(&base[..8 * CS]);
+    assert!(matches!(
+        LayeredDisk::open_file_over(vec![other], &top),
+        Err(LayeredError::LayerSize { .. })
+    ));
+}
