@@ -6,8 +6,8 @@
 # Usage: tests/lab/bench-boot.sh [BOOTS] [IMAGE]   (default: 12 boots, test image)
 # Each boot: sprout vm run --image IMAGE --cpus 1 --memory-mib 256 --exec true,
 # timed by sprout per phase (its log lines: process main to VM start, the
-# configuration's probe and disk copy, each step of Vm::create, VM start to
-# the agent's first answer), on the outer VM's clock, which is checked against
+# configuration's probe and writable disk (an empty top over the template),
+# each step of Vm::create, VM start to the agent's first answer), on the outer VM's clock, which is checked against
 # host time. Prints p50/p90/p99/min/max of each phase in milliseconds and the
 # phases of every boot over 3x the p50 to agent ready.
 set -euo pipefail
@@ -27,7 +27,7 @@ while [ \$i -lt $boots ]; do
   # One line per boot: every phase sprout logs (service::linux, vmm::create).
   RUST_LOG=service::linux=debug,vmm::create=debug sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
     sed -n -e 's/.*KVM probe (or its kept verdict): \([0-9]*\) us.*/probe_us=\1/p' \
-      -e 's/.*writable disk copied from the template: \([0-9]*\) us.*/disk_us=\1/p' \
+      -e 's/.*writable disk.*the template: \([0-9]*\) us.*/disk_us=\1/p' \
       -e 's/.*vm created: \(.*\)/\1/p' \
       -e 's/.*vm started \([0-9]*\) us after main: config \([0-9]*\) us.*/main_to_start_us=\1 config_us=\2/p' \
       -e 's/.*agent ready \([0-9]*\) us after start.*/ready_us=\1/p' | tr '\n' ' ' | sed 's/^/boot /; s/\$/\n/'
@@ -58,7 +58,7 @@ print("| phase | p50 | p90 | p99 | min | max |")
 print("| --- | --- | --- | --- | --- | --- |")
 keys = ["main_to_start", "config", "probe", "disk", "total", "kvm", "memory", "kernel", "devices", "vcpus", "threads", "ready"]
 names = {"main_to_start": "process main to VM start", "config": "configuration (probe, disk)",
-         "probe": "KVM probe (or kept verdict)", "disk": "writable disk copy", "total": "Vm::create",
+         "probe": "KVM probe (or kept verdict)", "disk": "writable disk (top over the template)", "total": "Vm::create",
          "ready": "VM start to agent ready"}
 for k in keys:
     v = [b[k] for b in boots if k in b]
