@@ -10,10 +10,14 @@
 # each step of Vm::create, VM start to the agent's first answer), on the outer VM's clock, which is checked against
 # host time. Prints p50/p90/p99/min/max of each phase in milliseconds and the
 # phases of every boot over 3x the p50 to agent ready.
+# DISK=both alternates the writable disk between an empty top over the
+# template (the default) and a whole copy of it (`--disk NEW`), one table each.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 boots=${1:-12}
 image=${2:-test}
+disk=${DISK:-top}
+case $disk in top | both) ;; *) echo "DISK is top or both" >&2; exit 2 ;; esac
 say() { printf '[bench-boot %s] %s\n' "$(date +%T)" "$*" >&2; }
 
 "$here/build.sh" >/dev/null
@@ -24,13 +28,17 @@ cat >"$script" <<EOS
 start=\$(date +%s)
 i=0
 while [ \$i -lt $boots ]; do
+  mode=top; args=
+  if [ $disk = both ] && [ \$((i % 2)) = 1 ]; then
+    mode=copy; rm -f /tmp/bench-disk.ext4; args="--disk /tmp/bench-disk.ext4"
+  fi
   # One line per boot: every phase sprout logs (service::linux, vmm::create).
-  RUST_LOG=service::linux=debug,vmm::create=debug sprout vm run --image $image --cpus 1 --memory-mib 256 --exec true 2>&1 |
+  RUST_LOG=service::linux=debug,vmm::create=debug sprout vm run --image $image --cpus 1 --memory-mib 256 \$args --exec true 2>&1 |
     sed -n -e 's/.*KVM probe (or its kept verdict): \([0-9]*\) us.*/probe_us=\1/p' \
       -e 's/.*writable disk.*the template: \([0-9]*\) us.*/disk_us=\1/p' \
       -e 's/.*vm created: \(.*\)/\1/p' \
       -e 's/.*vm started \([0-9]*\) us after main: config \([0-9]*\) us.*/main_to_start_us=\1 config_us=\2/p' \
-      -e 's/.*agent ready \([0-9]*\) us after start.*/ready_us=\1/p' | tr '\n' ' ' | sed 's/^/boot /; s/\$/\n/'
+      -e 's/.*agent ready \([0-9]*\) us after start.*/ready_us=\1/p' | tr '\n' ' ' | sed "s/^/boot mode=\$mode /; s/\\\$/\\n/"
   i=\$((i + 1))
 done
 echo "lab_clock_s \$((\$(date +%s) - start))"
@@ -44,26 +52,34 @@ n=$(grep -c '^boot .*ready_us=' "$out" || true)
 lab_s=$(sed -n 's/^lab_clock_s //p' "$out")
 python3 - "$out" "$host_s" "$lab_s" <<'PY'
 import re, sys
-boots = []
+every = []
 for line in open(sys.argv[1]):
     if line.startswith("boot "):
-        boots.append({k: int(v) / 1000 for k, v in re.findall(r"(\w+)_us=(\d+)", line)})
+        b = {k: int(v) / 1000 for k, v in re.findall(r"(\w+)_us=(\d+)", line)}
+        b["mode"] = re.search(r"mode=(\w+)", line).group(1)
+        every.append(b)
 
 def pct(v, p):
     v = sorted(v)
     return v[min(len(v) - 1, max(0, int(p / 100 * len(v) + 0.999999) - 1))]
 
-print("boot phases in ms, EMULATED hardware virtualization (QEMU TCG, nested SVM), %d boots" % len(boots))
-print("| phase | p50 | p90 | p99 | min | max |")
-print("| --- | --- | --- | --- | --- | --- |")
 keys = ["main_to_start", "config", "probe", "disk", "total", "kvm", "memory", "kernel", "devices", "vcpus", "threads", "ready"]
 names = {"main_to_start": "process main to VM start", "config": "configuration (probe, disk)",
-         "probe": "KVM probe (or kept verdict)", "disk": "writable disk (top over the template)", "total": "Vm::create",
+         "probe": "KVM probe (or kept verdict)", "disk": "writable disk", "total": "Vm::create",
          "ready": "VM start to agent ready"}
-for k in keys:
-    v = [b[k] for b in boots if k in b]
-    if v:
-        print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f |" % (names.get(k, "create: " + k), pct(v, 50), pct(v, 90), pct(v, 99), min(v), max(v)))
+for mode in ["top", "copy"]:
+    boots = [b for b in every if b["mode"] == mode]
+    if not boots:
+        continue
+    what = "an empty top over the template" if mode == "top" else "a whole copy of the template (--disk NEW)"
+    print("boot phases in ms, EMULATED hardware virtualization (QEMU TCG, nested SVM), %d boots, writable disk: %s" % (len(boots), what))
+    print("| phase | p50 | p90 | p99 | min | max |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k in keys:
+        v = [b[k] for b in boots if k in b]
+        if v:
+            print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f |" % (names.get(k, "create: " + k), pct(v, 50), pct(v, 90), pct(v, 99), min(v), max(v)))
+boots = every
 ready = [b["ready"] for b in boots]
 p50 = pct(ready, 50)
 slow = [(i, b) for i, b in enumerate(boots) if b["ready"] > 3 * p50]

@@ -151,7 +151,12 @@ pub struct LayerStats {
 /// One read-only layer, open.
 struct Layer {
     file: File,
-    present: Bitmap,
+    /// The clusters it holds. `None` for a raw bottom layer until a layer is
+    /// written from the disk: it is read for every cluster no layer above
+    /// holds, its holes reading as zeros, the same as absent; its data
+    /// extents are looked up only when a full layer needs them (a walk that
+    /// costs a boot ~20 ms where the host kernel is emulated).
+    present: Option<Bitmap>,
 }
 
 /// The writable top.
@@ -219,12 +224,14 @@ fn open_layer(files: &LayerFiles, size: u64, bottom: bool) -> Result<Layer, Laye
     }
     let clusters = size.div_ceil(CLUSTER_SIZE);
     let present = match &files.map {
-        Some(map) => mapfile::read(map, size).map_err(|source| LayeredError::Map {
-            path: map.clone(),
-            source,
-        })?,
-        None if bottom => data_clusters(&file, size),
-        None => Bitmap::full(clusters),
+        Some(map) => Some(
+            mapfile::read(map, size).map_err(|source| LayeredError::Map {
+                path: map.clone(),
+                source,
+            })?,
+        ),
+        None if bottom => None,
+        None => Some(Bitmap::full(clusters)),
     };
     Ok(Layer { file, present })
 }
@@ -397,8 +404,11 @@ impl LayeredDisk {
         let map = match kind {
             LayerKind::Full => {
                 let mut all = inner.top.allocated.clone();
-                for l in &inner.layers {
-                    all.union_with(&l.present);
+                for l in &mut inner.layers {
+                    let present = l
+                        .present
+                        .get_or_insert_with(|| data_clusters(&l.file, self.size));
+                    all.union_with(present);
                 }
                 all
             }
@@ -609,7 +619,11 @@ impl Inner {
         if with_top && self.top.allocated.get(cluster) {
             return Source::Top;
         }
-        match self.layers.iter().rposition(|l| l.present.get(cluster)) {
+        match self
+            .layers
+            .iter()
+            .rposition(|l| l.present.as_ref().is_none_or(|p| p.get(cluster)))
+        {
             Some(i) => Source::Layer(i),
             None => Source::Zeros,
         }
