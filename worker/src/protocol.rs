@@ -461,9 +461,9 @@ mod tests {
             read_frame::<Request>(&mut bad.as_slice()),
             Err(FrameError::BadMagic(_))
         ));
-        let mut v2 = good.clone();
-        v2[4] = 2;
-        let e = read_frame::<Request>(&mut v2.as_slice()).unwrap_err();
+        let mut other = good.clone();
+        other[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+        let e = read_frame::<Request>(&mut other.as_slice()).unwrap_err();
         assert_eq!(e.code(), ErrorCode::UnsupportedVersion);
         let mut huge = good.clone();
         huge[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
