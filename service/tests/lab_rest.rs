@@ -81,11 +81,18 @@ const COUNTER: &str =
 
 /// The counter now, then that it moves on.
 async fn counting(c: &Client, h: &Hosted, id: &str) -> u64 {
+    // `echo $i > /tmp/counter` truncates before it writes: a read can fall
+    // between the two (or before the first write) and see nothing.
     let read = || async {
-        out(c, h, id, "cat /tmp/counter")
-            .await
-            .parse::<u64>()
-            .unwrap()
+        let t = Instant::now();
+        loop {
+            let s = out(c, h, id, "cat /tmp/counter").await;
+            match s.parse::<u64>() {
+                Ok(n) => return n,
+                Err(_) if s.is_empty() && t.elapsed() < Duration::from_secs(60) => {}
+                Err(e) => panic!("counter {s:?}: {e}"),
+            }
+        }
     };
     let a = read().await;
     let t = Instant::now();
