@@ -278,15 +278,18 @@ impl Vm {
         self.last_staged = 0;
         // A staged diff is written and fsynced now, with the guest running.
         let res = resumed.and(res).and_then(Captured::finish).and_then(|s| {
+            // Verified once, as written: the checksums are of the bytes this
+            // process wrote, so restores in other processes (fork children,
+            // a fresh worker) check the seal's file versions instead of
+            // hashing the data again. A file changed afterwards has another
+            // version and is hashed in full.
+            if let Err(e) = snapshot::format::seal::seal_written(&s) {
+                log::warn!(
+                    "snapshot {} not sealed (its next restore hashes it): {e}",
+                    s.dir().display()
+                );
+            }
             let lease = if fork_layer {
-                // Children, in this process or others, load this layer
-                // next: sealed, they do not hash what was just written.
-                if let Err(e) = snapshot::format::seal::seal_written(&s) {
-                    log::warn!(
-                        "fork layer {} not sealed (children hash it): {e}",
-                        s.dir().display()
-                    );
-                }
                 Some(crate::lease::LayerLease::create(s.dir())?)
             } else {
                 None

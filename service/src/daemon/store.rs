@@ -115,6 +115,17 @@ impl Supervisor {
         if jail.is_some() {
             // Root's from now on: the worker may read it, never change it.
             take_back(&base).map_err(|e| format!("Cannot take back {}: {e}", base.display()))?;
+            // The jailed writer's own seal: sproutd verifies what it wrote
+            // itself (below) rather than take its word.
+            match std::fs::remove_file(dir.join(snapshot::format::seal::SEAL_FILE)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(format!(
+                        "Cannot remove the worker's seal in {}: {e}",
+                        dir.display()
+                    ));
+                }
+                _ => {}
+            }
         }
         let snap = snapshot::format::Snapshot::load(&dir).map_err(|e| {
             format!(

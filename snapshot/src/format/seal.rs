@@ -39,10 +39,12 @@ pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
 
 /// Writes the seal of `snap`, which this process has just written (its
 /// checksums are of the bytes it wrote), without reading it back: every
-/// listed file at its current version. For the writer's own short-lived
-/// output, such as a fork layer that child processes load next (they
-/// trust the writer's data either way). Unsynced, as that layer's own
-/// writes are. A file changed after this changes its
+/// listed file at its current version. For the writer's own output: a
+/// fork layer that child processes load next, a snapshot that a fresh
+/// worker restores (they trust the writer's data either way). Unsynced: it
+/// is written after the data it names (synced first for a durable
+/// snapshot), so a seal that survives a crash names file versions that
+/// survived too, and a lost one costs only a hash. A file changed after this changes its
 /// ctime (on kernels with fine-grained timestamps, those since 6.13, even
 /// within the same clock tick: this call's `fstat` asks for them), and is
 /// verified again.
