@@ -334,6 +334,7 @@ pub fn mark_process_start() {
 /// [`main`] without the printing: the exit status, or why the VM could not run.
 pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     let t = Instant::now();
+    let pre_us = PROCESS_START.get().map_or(0, |p| (t - *p).as_micros());
     let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
     let mut cfg = vm_config(&run, &scratch.0)?;
     let config_us = t.elapsed().as_micros();
@@ -352,14 +353,16 @@ pub fn run(run: LinuxRun) -> Result<u8, LinuxError> {
     // tests/lab/bench-boot.sh reads this line: process start to the VM's
     // start, and the configuration's part of it (probe, writable disk).
     log::info!(
-        "vm started {} after main: config {config_us} us, start {} us",
+        "vm started {} after main: config {config_us} us, start {} us, \
+         before the configuration {pre_us} us, {} minor page faults",
         PROCESS_START
             .get()
             .map_or("unknown time".into(), |p| format!(
                 "{} us",
                 p.elapsed().as_micros()
             )),
-        started.elapsed().as_micros()
+        started.elapsed().as_micros(),
+        vmm::minor_faults()
     );
     let code = finish(
         vm,

@@ -10,6 +10,12 @@
 # each step of Vm::create, VM start to the agent's first answer), on the outer VM's clock, which is checked against
 # host time. Prints p50/p90/p99/min/max of each phase in milliseconds and the
 # phases of every boot over 3x the p50 to agent ready.
+# SCRUB=1 (the default) writes and frees 128 MiB of tmpfs in the lab before
+# each boot: QEMU TCG makes the first write to a page that held guest code it
+# translated slow (it drops those translations page by page), and Linux hands
+# the next VM the pages the last VM's kernel ran from, so without the scrub the
+# kernel load of a boot after a boot measures the emulator (~250 ms more in
+# the lab, none on hardware). SCRUB=0 boots back to back.
 # DISK=both alternates the writable disk between an empty top over the
 # template (the default) and a whole copy of it (`--disk NEW`), one table each.
 set -euo pipefail
@@ -17,6 +23,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 boots=${1:-12}
 image=${2:-test}
 disk=${DISK:-top}
+scrub=${SCRUB:-1}
+case $scrub in 0 | 1) ;; *) echo "SCRUB is 0 or 1" >&2; exit 2 ;; esac
 case $disk in top | both) ;; *) echo "DISK is top or both" >&2; exit 2 ;; esac
 say() { printf '[bench-boot %s] %s\n' "$(date +%T)" "$*" >&2; }
 
@@ -32,12 +40,15 @@ while [ \$i -lt $boots ]; do
   if [ $disk = both ] && [ \$((i % 2)) = 1 ]; then
     mode=copy; rm -f /tmp/bench-disk.ext4; args="--disk /tmp/bench-disk.ext4"
   fi
+  if [ $scrub = 1 ]; then
+    dd if=/dev/zero of=/tmp/bench-scrub bs=1M count=128 2>/dev/null; rm -f /tmp/bench-scrub
+  fi
   # One line per boot: every phase sprout logs (service::linux, vmm::create).
   RUST_LOG=service::linux=debug,vmm::create=debug sprout vm run --image $image --cpus 1 --memory-mib 256 \$args --exec true 2>&1 |
     sed -n -e 's/.*KVM probe (or its kept verdict): \([0-9]*\) us.*/probe_us=\1/p' \
       -e 's/.*writable disk.*the template: \([0-9]*\) us.*/disk_us=\1/p' \
       -e 's/.*vm created: \(.*\)/\1/p' \
-      -e 's/.*vm started \([0-9]*\) us after main: config \([0-9]*\) us.*/main_to_start_us=\1 config_us=\2/p' \
+      -e 's/.*vm started \([0-9]*\) us after main: config \([0-9]*\) us.*before the configuration \([0-9]*\) us, \([0-9]*\) minor.*/main_to_start_us=\1 config_us=\2 pre_us=\3 process_faults=\4/p' \
       -e 's/.*agent ready \([0-9]*\) us after start.*/ready_us=\1/p' | tr '\n' ' ' | sed "s/^/boot mode=\$mode /; s/\\\$/\\n/"
   i=\$((i + 1))
 done
@@ -50,12 +61,13 @@ host_s=$SECONDS
 n=$(grep -c '^boot .*ready_us=' "$out" || true)
 [ "$n" = "$boots" ] || { cat "$out" >&2; say "error: $n of $boots boots reported agent ready"; exit 1; }
 lab_s=$(sed -n 's/^lab_clock_s //p' "$out")
-python3 - "$out" "$host_s" "$lab_s" <<'PY'
+python3 - "$out" "$host_s" "$lab_s" "$scrub" <<'PY'
 import re, sys
 every = []
 for line in open(sys.argv[1]):
     if line.startswith("boot "):
         b = {k: int(v) / 1000 for k, v in re.findall(r"(\w+)_us=(\d+)", line)}
+        b.update({k + "_faults": int(v) for k, v in re.findall(r"(\w+)_faults=(\d+)", line)})
         b["mode"] = re.search(r"mode=(\w+)", line).group(1)
         every.append(b)
 
@@ -63,8 +75,9 @@ def pct(v, p):
     v = sorted(v)
     return v[min(len(v) - 1, max(0, int(p / 100 * len(v) + 0.999999) - 1))]
 
-keys = ["main_to_start", "config", "probe", "disk", "total", "kvm", "memory", "kernel", "devices", "vcpus", "threads", "ready"]
-names = {"main_to_start": "process main to VM start", "config": "configuration (probe, disk)",
+keys = ["main_to_start", "pre", "config", "probe", "disk", "total", "kvm", "memory", "kernel", "devices", "vcpus", "threads", "ready"]
+names = {"main_to_start": "process main to VM start", "pre": "process main to configuration (arguments, logger)",
+         "config": "configuration (probe, disk)",
          "probe": "KVM probe (or kept verdict)", "disk": "writable disk", "total": "Vm::create",
          "ready": "VM start to agent ready"}
 for mode in ["top", "copy"]:
@@ -79,6 +92,8 @@ for mode in ["top", "copy"]:
         v = [b[k] for b in boots if k in b]
         if v:
             print("| %s | %.1f | %.1f | %.1f | %.1f | %.1f |" % (names.get(k, "create: " + k), pct(v, 50), pct(v, 90), pct(v, 99), min(v), max(v)))
+    faults = [(k[:-len("_faults")], pct([b[k] for b in boots if k in b], 50)) for k in sorted({k for b in boots for k in b if k.endswith("_faults")})]
+    print("minor page faults, p50: " + ", ".join("%s %d" % f for f in faults))
 boots = every
 ready = [b["ready"] for b in boots]
 p50 = pct(ready, 50)
@@ -86,5 +101,6 @@ slow = [(i, b) for i, b in enumerate(boots) if b["ready"] > 3 * p50]
 print("boots over 3x the p50 (%.0f ms) to agent ready: %d" % (p50, len(slow)))
 for i, b in slow:
     print("  boot %d: %s" % (i + 1, " ".join("%s=%.0f" % (k, b[k]) for k in keys if k in b)))
+print("scrub before each boot: %s" % ("128 MiB of lab tmpfs written and freed" if sys.argv[4] == "1" else "none (back to back)"))
 print("clock check: the boots took %s s on the lab clock; the whole lab run %s s of host time (outer boot included)" % (sys.argv[3], sys.argv[2]))
 PY

@@ -33,6 +33,7 @@ pub use guest_abi::layout;
 pub use snapshot::thread_hook;
 
 pub use config::{ConfigError, DiskConfig, VmConfig, VsockConfig, DEFAULT_VSOCK_CONNECTIONS};
+pub use create::minor_faults;
 pub use devices::legacy::serial::{ConsoleBuffer, SerialOutput};
 pub use fork::{ForkError, ForkLayer, ForkOptions};
 pub use inspect::{VcpuRegs, VcpuReport};

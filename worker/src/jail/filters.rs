@@ -169,6 +169,8 @@ const OWNER_OWN: &[c_long] = &[
     libc::SYS_prctl,
     // A restore's check of a snapshot's seal: whose it may trust.
     libc::SYS_geteuid,
+    // A boot's debug log counts its page faults per step (RUSAGE_SELF).
+    libc::SYS_getrusage,
 ];
 
 /// The owner's filter: its own calls and every kind of thread it creates
