@@ -11,11 +11,11 @@
 # host time. Prints p50/p90/p99/min/max of each phase in milliseconds and the
 # phases of every boot over 3x the p50 to agent ready.
 # SCRUB=1 (the default) writes and frees 128 MiB of tmpfs in the lab before
-# each boot: QEMU TCG makes the first write to a page that held guest code it
-# translated slow (it drops those translations page by page), and Linux hands
-# the next VM the pages the last VM's kernel ran from, so without the scrub the
-# kernel load of a boot after a boot measures the emulator (~250 ms more in
-# the lab, none on hardware). SCRUB=0 boots back to back.
+# each boot: Linux hands the next VM the pages the last VM's guest ran from,
+# and under QEMU TCG the first write to each is slow (likely the translated
+# code it drops), so without the scrub the kernel load of a boot after a boot
+# measures the emulator (~250 ms more in the lab, none on hardware; see
+# docs/benchmarks.md). SCRUB=0 boots back to back.
 # DISK=both alternates the writable disk between an empty top over the
 # template (the default) and a whole copy of it (`--disk NEW`), one table each.
 set -euo pipefail

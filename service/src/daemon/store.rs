@@ -115,17 +115,6 @@ impl Supervisor {
         if jail.is_some() {
             // Root's from now on: the worker may read it, never change it.
             take_back(&base).map_err(|e| format!("Cannot take back {}: {e}", base.display()))?;
-            // The jailed writer's own seal: sproutd verifies what it wrote
-            // itself (below) rather than take its word.
-            match std::fs::remove_file(dir.join(snapshot::format::seal::SEAL_FILE)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(format!(
-                        "Cannot remove the worker's seal in {}: {e}",
-                        dir.display()
-                    ));
-                }
-                _ => {}
-            }
         }
         let snap = snapshot::format::Snapshot::load(&dir).map_err(|e| {
             format!(
@@ -399,7 +388,9 @@ pub fn remove_empty_parents(root: &Path, gone: &Path) {
     }
 }
 
-/// Makes everything under `dir` root's: directories 0755, files 0644.
+/// Makes everything under `dir` (what a jailed worker just wrote) root's:
+/// directories 0755, files 0644; drops the worker's seal and anything not a
+/// file or directory.
 fn take_back(dir: &Path) -> std::io::Result<()> {
     let root = Some(rustix::fs::Uid::ROOT);
     let group = Some(rustix::fs::Gid::ROOT);
@@ -412,6 +403,10 @@ fn take_back(dir: &Path) -> std::io::Result<()> {
             let t = e.file_type()?;
             if t.is_dir() {
                 todo.push(e.path());
+            } else if t.is_file() && e.file_name() == snapshot::format::seal::SEAL_FILE {
+                // The worker's own seal: root's copy of it would be trusted,
+                // and sproutd verifies what a worker wrote itself instead.
+                std::fs::remove_file(e.path())?;
             } else if t.is_file() {
                 rustix::fs::chown(e.path(), root, group)?;
                 rustix::fs::chmod(e.path(), rustix::fs::Mode::from_raw_mode(0o644))?;
