@@ -130,6 +130,9 @@ const OWNER_OWN: &[c_long] = &[
     libc::SYS_pread64,
     libc::SYS_pwrite64,
     libc::SYS_lseek,
+    // A boot's kernel load: segments go from the kernel file straight into
+    // guest RAM's memfd.
+    libc::SYS_sendfile,
     libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
