@@ -41,6 +41,7 @@ pub const USAGE: &str = "usage: sprout-worker --socket PATH [--vcpus N --memory-
 /// [`jail::Jail`]'s root) `pivot_root`s into DIR first; its `--socket` and
 /// every path it is given are then paths inside DIR (see [`jail`]).
 pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
+    MAIN.get_or_init(std::time::Instant::now);
     let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn"))
         .try_init();
     match parse(args).and_then(|(o, fg, jail)| start(o, fg, jail)) {
@@ -50,6 +51,14 @@ pub fn worker_main(args: impl IntoIterator<Item = OsString>) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// When [`worker_main`] began, for the start-up log.
+static MAIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Microseconds since [`worker_main`] began (0 outside a worker process).
+pub(crate) fn us_since_main() -> u128 {
+    MAIN.get().map_or(0, |t| t.elapsed().as_micros())
 }
 
 type Parsed = (WorkerOptions, bool, Option<jail::JailOptions>);
@@ -177,6 +186,7 @@ fn start(
     if let Some(j) = &jail {
         // Before any thread: credentials are per thread.
         jail::enter(j).map_err(|e| owner::chain(&e))?;
+        log::debug!("jail entered {} us after main", us_since_main());
     }
     let socket = opts.socket.clone();
     match server::run(opts) {

@@ -182,6 +182,12 @@ pub fn run(opts: WorkerOptions) -> Result<Option<ExitReason>, ServerError> {
     let (tx, rx) = mpsc::channel();
     // Bound first: a client may connect at once; its requests wait for the shell.
     let listener = bind(&opts.socket, tx.clone())?;
+    // tests/lab/bench-spawn.sh reads this line.
+    log::debug!(
+        "listening {} us after main, {} minor page faults",
+        crate::us_since_main(),
+        vmm::minor_faults()
+    );
     let slot = match opts.shape {
         Some(s) => Slot::Ready(
             VmShell::new(s.vcpus, s.mem_mib)
