@@ -1103,6 +1103,54 @@ fn top(p: &Path) -> String {
         .into_owned()
 }
 
+/// A cold boot takes a ready worker of its shape when one waits (one starts
+/// after a sandbox of that shape booted): the VM boots into the worker's
+/// shell, and the sandbox runs from its own directory like any other.
+#[tokio::test]
+async fn a_second_cold_boot_of_a_shape_boots_in_a_ready_worker() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start_with(&dir, &["--no-templates"]);
+    let (first, _) = schedule_testguest(&c, &d).await;
+    let t = Instant::now();
+    while !Daemon::log(&dir).contains("a ready worker of 1 vCPUs, 128 MiB waits") {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "no ready worker: {}",
+            Daemon::log(&dir)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (second, pid) = schedule_testguest(&c, &d).await;
+    let log = Daemon::log(&dir);
+    let ready_boot = |id: &str| {
+        log.lines()
+            .any(|l| l.contains(id) && l.contains("VM started") && l.contains("(a ready worker)"))
+    };
+    assert!(!ready_boot(&first), "{log}");
+    assert!(ready_boot(&second), "{log}");
+    let vm_dir = dir.join("vms").join(&second);
+    for f in ["control.sock", "console.log"] {
+        assert!(
+            vm_dir.join(f).symlink_metadata().is_ok(),
+            "{f} moved in: {log}"
+        );
+    }
+    assert!(alive(pid));
+    assert_eq!(
+        vsock_echo(&vm_dir.join("vm/vsock.sock"), b"from a ready worker"),
+        b"from a ready worker"
+    );
+    let r = c
+        .delete(d.url(&format!("/v1/runtime/vms/{second}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", Daemon::log(&dir));
+    assert!(!alive(pid), "its worker is reaped");
+    d.stop();
+}
+
 /// Run as root (as here and in CI), sproutd jails each worker: nobody, no
 /// capabilities, seccomp filters, and a root holding only the jail's own
 /// entries and the sandbox's files; the sandbox still answers (its vsock
@@ -1115,8 +1163,8 @@ async fn a_root_sproutd_jails_each_worker_and_a_delete_removes_the_jail() {
     let (_t, dir) = data_dir();
     let c = Client::new();
     // A booted worker's jail (a restored one's is checked in
-    // rest_states.rs).
-    let d = Daemon::start_with(&dir, &["--no-templates"]);
+    // rest_states.rs). No ready workers: every jail here is a sandbox's.
+    let d = Daemon::start_with(&dir, &["--no-templates", "--ready-workers", "0"]);
     let (id, pid) = schedule_testguest(&c, &d).await;
     if rustix::process::geteuid().as_raw() != 0 {
         let log = Daemon::log(&dir);

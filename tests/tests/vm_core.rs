@@ -226,3 +226,33 @@ fn stop_returns_when_a_vcpu_is_stuck_in_a_device() {
     release_tx.send(()).unwrap();
     holder.join().unwrap();
 }
+
+/// A boot into a shell built ahead of time (a ready worker's): the guest runs
+/// and its RAM is the VM's own memfd, written where the shell reserved it;
+/// a shell of another shape is not used, and the VM boots as without one.
+#[test]
+fn boots_into_a_shell_of_its_shape_and_not_into_another() {
+    for (shell, cpus) in [((2, 256), 2), ((1, 128), 1)] {
+        let (cfg, console) = config(cpus, 256);
+        let s = vmm::VmShell::new(shell.0, shell.1).unwrap();
+        let vm = vmm::Vm::start_in(cfg, Some(s)).expect("VM starts in the shell");
+        let mbox = vm.mailbox().expect("test guest has a mailbox");
+        for c in 0..cpus {
+            mbox.wait_ready(c, TIMEOUT)
+                .unwrap_or_else(|e| panic!("vCPU {c}: {e}\nconsole:\n{}", console.text()));
+            let r = call(&vm, c, mb::CMD_ECHO, [7 + u64::from(c), 0, 0, 0]);
+            assert_eq!(r.rets[..2], [7 + u64::from(c), u64::from(c)]);
+        }
+        // What the guest writes, the host reads where RAM is mapped.
+        let (gpa, pages, seed) = (TESTGUEST_SCRATCH, 16u64, 0x5eed);
+        call(&vm, 0, mb::CMD_FILL, [gpa, pages, seed, 0]);
+        let mut buf = vec![0u8; (pages * 4096) as usize];
+        vm.memory().read_slice(&mut buf, GuestAddress(gpa)).unwrap();
+        for (i, w) in buf.chunks_exact(8).enumerate() {
+            let addr = gpa + i as u64 * 8;
+            let word = u64::from_le_bytes(w.try_into().unwrap());
+            assert_eq!(word, pattern_word(seed, addr), "word at {addr:#x}");
+        }
+        drop(vm);
+    }
+}

@@ -16,13 +16,21 @@ use crate::builder::{DeviceSource, Parts, VirtioSlot, VmBase};
 use crate::config::VmConfig;
 use crate::lineage::{new_instance_id, Lineage};
 use crate::memory;
+use crate::shell::VmShell;
 use crate::vm::{Vm, VmError};
 use crate::vm_devices::{AttachError, VirtioDev};
 
 impl Vm {
     /// Validates `config`, builds the VM and starts its vCPUs.
     pub fn start(config: VmConfig) -> Result<Vm, VmError> {
-        let mut vm = Self::create(config)?;
+        Self::start_in(config, None)
+    }
+
+    /// [`Vm::start`] in `shell`, a VM built ahead of time (a ready worker's):
+    /// its KVM VM, vCPUs and memory slots are used instead of new ones. A
+    /// shell of another shape than `config` is dropped and not used.
+    pub fn start_in(config: VmConfig, shell: Option<VmShell>) -> Result<Vm, VmError> {
+        let mut vm = Self::create_in(config, shell)?;
         vm.resume()?;
         Ok(vm)
     }
@@ -30,16 +38,37 @@ impl Vm {
     /// Builds the VM with its vCPU threads parked before their first
     /// instruction; [`Vm::resume`] starts them.
     pub fn create(config: VmConfig) -> Result<Vm, VmError> {
+        Self::create_in(config, None)
+    }
+
+    /// [`Vm::create`] in `shell` (see [`Vm::start_in`]).
+    pub fn create_in(config: VmConfig, shell: Option<VmShell>) -> Result<Vm, VmError> {
         config.validate()?;
         let mut phases = Phases::new();
-        let base = VmBase::new(config.vcpus, None)?;
+        let shell = shell.filter(|s| {
+            let fits = s.vcpus() == config.vcpus && s.mem_bytes() == config.mem_mib << 20;
+            if !fits {
+                log::debug!(
+                    "a shell of {} vCPUs and {} bytes is not used for a VM of {} vCPUs and {} MiB",
+                    s.vcpus(),
+                    s.mem_bytes(),
+                    config.vcpus,
+                    config.mem_mib
+                );
+            }
+            fits
+        });
+        let mut base = VmBase::new(config.vcpus, shell)?;
         let supported = base
             .kvm()
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
         let has_pit = base.caps().pit2;
         phases.mark("kvm");
-        let ram = memory::create(config.mem_mib << 20)?;
+        let ram = match base.take_reservation() {
+            Some(range) => memory::create_in(config.mem_mib << 20, range)?,
+            None => memory::create(config.mem_mib << 20)?,
+        };
         let mut b = base.set_memory(ram)?;
         phases.mark("memory");
         let kernel = kernel::load(b.memory(), &config.kernel)?;

@@ -26,6 +26,10 @@ pub enum MemoryError {
     Map(#[source] vm_memory::mmap::FromRangesError),
     #[error("Cannot describe restored guest memory")]
     Raw(#[source] vm_memory::mmap::MmapRegionError),
+    #[error("A shell's memory range of {0} bytes cannot hold {1} bytes of guest RAM")]
+    RangeSize(u64, u64),
+    #[error("Cannot map guest memory into the shell's range")]
+    MapIn(#[source] std::io::Error),
     #[error("Fresh guest memory is not a restore backend")]
     NotRestored,
     #[error("Restored guest memory region overflows the guest address space")]
@@ -66,6 +70,10 @@ pub struct GuestRam {
     pub mem: GuestMemoryMmap,
     pub size: u64,
     pub backing: Backing,
+    /// A shell's reserved range the memfd is mapped over ([`create_in`]):
+    /// unmapped when this is dropped, after `mem` (whose regions do not own
+    /// their mapping then).
+    pub(crate) _range: Option<snapshot::Reservation>,
 }
 
 /// A VM's guest RAM, unmapped on drop unless [`KeptRam::leak`] was called:
@@ -107,8 +115,8 @@ impl Drop for KeptRam {
     }
 }
 
-/// Creates `size` bytes of zeroed guest RAM laid out by [`layout::ram_regions`].
-pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
+/// The memfd behind guest RAM, `size` bytes of zeros.
+fn new_memfd(size: u64) -> Result<File, MemoryError> {
     let name: &CStr = c"sprout-guest-ram";
     // SAFETY: memfd_create takes a valid NUL-terminated name and flags; we check
     // the returned fd before use.
@@ -120,6 +128,12 @@ pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size)
         .map_err(|e| MemoryError::Truncate(size, e))?;
+    Ok(file)
+}
+
+/// Creates `size` bytes of zeroed guest RAM laid out by [`layout::ram_regions`].
+pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
+    let file = new_memfd(size)?;
     let (regions, n) = layout::ram_regions(size);
     let mut offset = 0u64;
     let mut ranges = Vec::with_capacity(n);
@@ -137,6 +151,67 @@ pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
         mem,
         size,
         backing: Backing::Memfd(file),
+        _range: None,
+    })
+}
+
+/// [`create`], with the memfd mapped over a shell's reserved range (whose
+/// KVM memory slots already cover it) instead of a new mapping: a boot
+/// into a ready worker's shell.
+pub fn create_in(size: u64, range: snapshot::Reservation) -> Result<GuestRam, MemoryError> {
+    use vm_memory::bitmap::NewBitmap;
+    use vm_memory::mmap::MmapRegionBuilder;
+    if range.len() as u64 != size {
+        return Err(MemoryError::RangeSize(range.len() as u64, size));
+    }
+    let file = new_memfd(size)?;
+    let base = range.as_ptr();
+    // SAFETY: MAP_FIXED over `range`, a mapping of exactly `size` bytes this
+    // process owns and nothing else uses (a shell's memory is mapped only
+    // by a boot or a restore into it, which takes it); the result is
+    // checked, and `range` (kept in the GuestRam) unmaps it at the end.
+    let p = unsafe {
+        libc::mmap(
+            base.cast(),
+            size as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+        )
+    };
+    if p != base.cast() {
+        return Err(MemoryError::MapIn(std::io::Error::last_os_error()));
+    }
+    let (regions, n) = layout::ram_regions(size);
+    let mut out = Vec::with_capacity(n);
+    let mut offset = 0u64;
+    for &(gpa, len) in &regions[..n] {
+        let f = file.try_clone().map_err(MemoryError::Memfd)?;
+        // SAFETY: [base + offset, + len) lies inside the shared mapping
+        // made above (offset + len <= size), which outlives the region: it
+        // is unmapped only when the GuestRam's `_range` drops, after `mem`.
+        let region = unsafe {
+            MmapRegionBuilder::<AtomicBitmap>::new_with_bitmap(
+                len as usize,
+                AtomicBitmap::with_len(len as usize),
+            )
+            .with_raw_mmap_pointer(base.add(offset as usize))
+        }
+        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+        .with_mmap_flags(libc::MAP_SHARED)
+        .with_file_offset(FileOffset::new(f, offset))
+        .build()
+        .map_err(MemoryError::Raw)?;
+        out.push(GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or(MemoryError::Region)?);
+        offset += len;
+    }
+    let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Regions)?;
+    Ok(GuestRam {
+        mem,
+        size,
+        backing: Backing::Memfd(file),
+        _range: Some(range),
     })
 }
 
@@ -168,7 +243,12 @@ pub fn from_backing(backing: Backing) -> Result<GuestRam, MemoryError> {
         offset += len;
     }
     let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Regions)?;
-    Ok(GuestRam { mem, size, backing })
+    Ok(GuestRam {
+        mem,
+        size,
+        backing,
+        _range: None,
+    })
 }
 
 /// Registers one guest memory slot: `len` bytes of host memory at `hva` as

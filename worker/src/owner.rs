@@ -166,7 +166,13 @@ impl Owner {
                 }
                 let mut cfg = VmConfig::from_spec(b.spec, self.serial.clone());
                 cfg.instance_id = b.instance_id;
-                let vm = Vm::start(cfg)
+                // A ready worker boots into its shell (one of another shape
+                // is dropped): its KVM VM, vCPUs and memory slots are made.
+                let shell = match std::mem::replace(&mut self.slot, Slot::Empty) {
+                    Slot::Ready(s) => Some(s),
+                    _ => None,
+                };
+                let vm = Vm::start_in(cfg, shell)
                     .map_err(|e| err(vm_code(&e), format!("Cannot boot the VM: {}", chain(&e))))?;
                 let exit = vm.exit_signal();
                 self.slot = Slot::Vm(Box::new(vm));

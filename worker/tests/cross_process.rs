@@ -238,3 +238,42 @@ fn bad_restores_are_typed_errors_and_leave_the_worker_usable() {
     w.client.stop().unwrap();
     w.child.wait().unwrap();
 }
+
+/// A ready worker (its shell built) boots a VM into that shell; one of
+/// another shape drops its shell and boots the VM anew. Both run.
+#[test]
+fn a_ready_worker_boots_into_its_shell_or_anew() {
+    require_kvm();
+    let dir = TempDir::new("ready-boot");
+    for (name, shape) in [
+        ("same", SHAPE),
+        (
+            "other",
+            Shape {
+                vcpus: 2,
+                mem_mib: 128,
+            },
+        ),
+    ] {
+        let mut w = cmd()
+            .spawn(&dir.path().join(format!("{name}.sock")), Some(shape), None)
+            .expect("ready worker starts");
+        assert_eq!(w.client.describe().unwrap().state, WorkerState::Ready);
+        w.client
+            .call(&sprout_worker::Request::Boot(BootSpec {
+                spec: spec(),
+                instance_id: Some(0x77),
+            }))
+            .unwrap_or_else(|e| panic!("{name}: boot: {e}"));
+        let d = w.client.describe().unwrap();
+        assert_eq!(d.state, WorkerState::Running, "{name}");
+        assert_eq!(d.instance_id, Some(0x77));
+        let (status, rets) = w
+            .client
+            .mailbox(0, mb::CMD_ECHO, [0xb007, 0, 0, 0], T)
+            .expect("the booted guest answers");
+        assert_eq!((status, rets[0]), (0, 0xb007), "{name}");
+        w.client.stop().unwrap();
+        w.wait().unwrap();
+    }
+}

@@ -952,10 +952,7 @@ impl App {
             .map(|i| i.path)
             .into_iter()
             .collect();
-        let shape = sprout_worker::protocol::Shape {
-            vcpus: s.cpus,
-            mem_mib: u64::from(s.memory_mb),
-        };
+        let shape = shape_of(s);
         let (a, row) = (self.clone(), s.clone());
         let t = Instant::now();
         let booted = self
@@ -1175,11 +1172,18 @@ impl App {
         })?;
         let (a, row) = (self.clone(), s.clone());
         let booted = self
-            .blocking(move || a.supervisor.boot(&row, Some(&image)).map_err(boot_failed))
+            .blocking(move || {
+                a.supervisor
+                    .boot(&row, Some(&image), Some(&a.pool))
+                    .map_err(boot_failed)
+            })
             .await?;
         let hostname = Some(s.hostname.clone().unwrap_or_else(|| hostname_for(id)));
-        self.adopt_booted(s, booted, Some((vmm::new_instance_id(), hostname)))
-            .await
+        let r = self
+            .adopt_booted(s, booted, Some((vmm::new_instance_id(), hostname)))
+            .await;
+        super::pool::refill_later(self, shape_of(s));
+        r
     }
 
     /// `POST /vms/{id}/reboot`: the disk is kept; memory, processes and
@@ -1622,4 +1626,12 @@ pub fn sweeper(app: &Arc<App>) {
             }
         }
     });
+}
+
+/// The shape of `s`'s VM, as ready workers are kept.
+pub(super) fn shape_of(s: &Sandbox) -> sprout_worker::protocol::Shape {
+    sprout_worker::protocol::Shape {
+        vcpus: s.cpus,
+        mem_mib: u64::from(s.memory_mb),
+    }
 }

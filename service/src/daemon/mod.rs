@@ -118,8 +118,9 @@ pub struct DaemonArgs {
     #[arg(long)]
     pub new_key: bool,
     /// Worker processes kept started, jailed and holding a VM shell, for
-    /// each shape sandboxes are restored in, so that a create from a
-    /// template, a fork or a wake does not wait for one (0: none).
+    /// each shape sandboxes are restored or booted in, so that a create
+    /// from a template, a fork, a wake or a cold boot does not wait for
+    /// one (0: none).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=16))]
     pub ready_workers: u16,
     /// Give sandboxes no network device (by default each gets one, with

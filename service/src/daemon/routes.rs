@@ -864,14 +864,17 @@ fn host_unsupported(app: &App) -> ApiError {
 async fn start(app: Arc<App>, s: Sandbox, image: std::path::PathBuf) -> Result<(), BootError> {
     let a = app.clone();
     let row = s.clone();
-    let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&image)))
-        .await
-        .map_err(|e| BootError::Failed(format!("the boot task failed: {e}")))??;
+    let booted =
+        tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&image), Some(&a.pool)))
+            .await
+            .map_err(|e| BootError::Failed(format!("the boot task failed: {e}")))??;
     tracing::info!(vm = %s.id, pid = booted.worker.pid(), "worker up, VM booting");
     let t = std::time::Instant::now();
-    app.start_booted(&s, booted)
-        .await
-        .map_err(|e| BootError::Failed(e.message))?;
+    let r = app.start_booted(&s, booted).await;
+    // The next cold boot of this shape takes a ready worker; it starts
+    // once this sandbox answers (on a small host they would share the CPU).
+    super::pool::refill_later(&app, super::lifecycle::shape_of(&s));
+    r.map_err(|e| BootError::Failed(e.message))?;
     tracing::info!(vm = %s.id, "running after {} ms", t.elapsed().as_millis());
     Ok(())
 }

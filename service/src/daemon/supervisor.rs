@@ -31,13 +31,16 @@ use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sprout_worker::jail::{Jail, JailError, CONTROL_SOCKET, DEFAULT_GID, DEFAULT_UID};
-use sprout_worker::protocol::{BootSpec, Description, GuestKind, Request, Response, WorkerState};
+use sprout_worker::protocol::{
+    BootSpec, Description, GuestKind, Request, Response, Shape, WorkerState,
+};
 use sprout_worker::{Client, WorkerCommand, WorkerProcess};
 use uuid::Uuid;
 use vmm::config::VmSpec;
 
 use super::error::chain;
 use super::images::TEST_GUEST_IMAGE;
+use super::pool::{move_in, Pool, Ready};
 use super::registry::{Runtime, Sandbox, State};
 use crate::linux::{self, LinuxRun};
 
@@ -172,10 +175,16 @@ impl Supervisor {
         Ok((dir, rw))
     }
 
-    /// Starts a worker for `s` and boots its VM from `image_path` (for Linux
-    /// guests; the test guest needs none). Returns once the VM runs, before
-    /// its guest has booted.
-    pub fn boot(&self, s: &Sandbox, image_path: Option<&Path>) -> Result<Booted, BootError> {
+    /// Starts a worker for `s` (or takes a ready one of its shape from
+    /// `pool`) and boots its VM from `image_path` (for Linux guests; the
+    /// test guest needs none). Returns once the VM runs, before its guest
+    /// has booted.
+    pub fn boot(
+        &self,
+        s: &Sandbox,
+        image_path: Option<&Path>,
+        pool: Option<&Pool>,
+    ) -> Result<Booted, BootError> {
         let (dir, rw) = self.make_dirs(s.id).map_err(BootError::Failed)?;
         let vsock = vmm::VsockConfig {
             guest_cid: linux::GUEST_CID,
@@ -227,24 +236,40 @@ impl Supervisor {
         let console = dir.join(CONSOLE_LOG);
         let log = dir.join(WORKER_LOG);
         let tails = || format!("{}{}", console_tail(&console), log_tail(&log));
-        let mut worker = self
-            .cmd
-            .clone()
-            .log_to(&log)
-            .spawn(&sock, None, Some(&console))
-            .map_err(|e| {
-                BootError::Failed(format!(
-                    "Cannot start a worker: {}{}{}",
-                    chain(&e),
-                    if self.jailed() {
-                        " (sproutd runs as root and jails its workers, which needs mounts and \
-                         namespaces: where it cannot make them, run it with --no-jail)"
-                    } else {
-                        ""
-                    },
-                    log_tail(&log)
-                ))
-            })?;
+        let shape = Shape {
+            vcpus: s.cpus,
+            mem_mib: u64::from(s.memory_mb),
+        };
+        let spawned = Instant::now();
+        // A ready worker boots into its shell (KVM VM, vCPUs and memory
+        // slots made); taken only now: nothing above can fail with it.
+        let ready = pool.and_then(|p| p.take(shape));
+        let (mut worker, ready_dir) = match ready {
+            Some(Ready { worker, dir }) => (worker, Some(dir)),
+            None => {
+                let w = self
+                    .cmd
+                    .clone()
+                    .log_to(&log)
+                    .spawn(&sock, None, Some(&console))
+                    .map_err(|e| {
+                        BootError::Failed(format!(
+                            "Cannot start a worker: {}{}{}",
+                            chain(&e),
+                            if self.jailed() {
+                                " (sproutd runs as root and jails its workers, which needs \
+                                 mounts and namespaces: where it cannot make them, run it \
+                                 with --no-jail)"
+                            } else {
+                                ""
+                            },
+                            log_tail(&log)
+                        ))
+                    })?;
+                (w, None)
+            }
+        };
+        let up = spawned.elapsed();
         let spec = match &worker.jail {
             None => Ok(spec),
             Some(j) => expose(j, spec, &rw)
@@ -262,19 +287,58 @@ impl Supervisor {
             };
             r.map_err(|e| format!("The worker could not boot the VM: {}", chain(&e)))
         });
+        // A ready worker's socket, console and log move into the sandbox's
+        // directory.
+        let booted = match (booted, &ready_dir) {
+            (Ok(d), Some(rd)) => {
+                let r = Ready {
+                    worker,
+                    dir: rd.clone(),
+                };
+                let moved = move_in(&r, &dir);
+                worker = r.worker;
+                match moved {
+                    Ok(sock) => {
+                        worker.socket = sock;
+                        Ok(d)
+                    }
+                    Err(e) => Err(format!("Cannot move a ready worker in: {e}")),
+                }
+            }
+            (r, _) => r,
+        };
         match booted {
-            Ok(d) => Ok(Booted {
-                vsock: d.vsock_uds,
-                worker,
-                guest,
-            }),
+            Ok(d) => {
+                // tests/lab/bench-spawn.sh reads this line.
+                tracing::info!(
+                    vm = %s.id,
+                    "VM started {} us after the worker's spawn: worker up {} us, boot {} us{}",
+                    spawned.elapsed().as_micros(),
+                    up.as_micros(),
+                    (spawned.elapsed() - up).as_micros(),
+                    if ready_dir.is_some() { " (a ready worker)" } else { "" }
+                );
+                Ok(Booted {
+                    vsock: d.vsock_uds,
+                    worker,
+                    guest,
+                })
+            }
             Err(e) => {
                 let _ = worker.client.stop();
                 let _ = worker.child.kill();
                 if let Err(w) = worker.wait() {
                     tracing::warn!(vm = %s.id, "after a failed boot: {w}");
                 }
-                Err(BootError::Failed(format!("{e}{}", tails())))
+                let tails = match &ready_dir {
+                    Some(rd) => {
+                        let t = self.tails_in(rd);
+                        let _ = std::fs::remove_dir_all(rd);
+                        t
+                    }
+                    None => tails(),
+                };
+                Err(BootError::Failed(format!("{e}{tails}")))
             }
         }
     }

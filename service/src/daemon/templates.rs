@@ -185,14 +185,15 @@ impl App {
             ..Sandbox::starting(build_id, "", &image.name, cpus, memory_mb, now_ms())
         };
         let (a, row, path) = (self.clone(), s.clone(), image.path.clone());
-        let booted = tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path)))
-            .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
-            .map_err(|e| match e {
-                BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
-                BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
-                BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
-            });
+        let booted =
+            tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path), None))
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?
+                .map_err(|e| match e {
+                    BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
+                    BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
+                    BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
+                });
         let booted = match booted {
             Ok(b) => b,
             Err(e) => {
