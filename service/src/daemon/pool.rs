@@ -201,24 +201,45 @@ fn discard(mut r: Ready) {
     let _ = std::fs::remove_dir_all(&r.dir);
 }
 
+/// After a restore or boot into `worker` (`done`): if it was a ready
+/// worker (from `ready_dir`), its socket, console and log move into the
+/// sandbox's `dir`, and `worker` knows its new socket.
+pub fn settle<D>(
+    done: Result<D, String>,
+    worker: &mut WorkerProcess,
+    ready_dir: Option<&Path>,
+    dir: &Path,
+) -> Result<D, String> {
+    match (done, ready_dir) {
+        (Ok(d), Some(rd)) => match move_in(rd, dir) {
+            Ok(sock) => {
+                worker.socket = sock;
+                Ok(d)
+            }
+            Err(e) => Err(format!("Cannot move a ready worker in: {e}")),
+        },
+        (r, _) => r,
+    }
+}
+
 /// Moves a restored ready worker's socket, console and log from its
-/// directory into the sandbox's `dir`; a previous worker's console and log
-/// are kept as `*.1`. Returns the worker's socket path there.
-pub fn move_in(r: &Ready, dir: &Path) -> std::io::Result<PathBuf> {
+/// directory `ready_dir` into the sandbox's `dir`; a previous worker's
+/// console and log are kept as `*.1`. Returns the worker's socket path there.
+fn move_in(ready_dir: &Path, dir: &Path) -> std::io::Result<PathBuf> {
     for name in [CONSOLE_LOG, WORKER_LOG] {
         let dst = dir.join(name);
         if dst.exists() {
             std::fs::rename(&dst, dir.join(format!("{name}.1")))?;
         }
-        match std::fs::rename(r.dir.join(name), &dst) {
+        match std::fs::rename(ready_dir.join(name), &dst) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
             _ => {}
         }
     }
     let sock = dir.join(CONTROL_SOCK);
     let _ = std::fs::remove_file(&sock);
-    std::fs::rename(r.dir.join(CONTROL_SOCK), &sock)?;
-    let _ = std::fs::remove_dir_all(&r.dir);
+    std::fs::rename(ready_dir.join(CONTROL_SOCK), &sock)?;
+    let _ = std::fs::remove_dir_all(ready_dir);
     Ok(sock)
 }
 

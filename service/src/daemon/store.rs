@@ -28,7 +28,7 @@ use sprout_worker::protocol::{Backend, Request, Response, RestoreSpec, Shape};
 use uuid::Uuid;
 
 use super::error::chain;
-use super::pool::{move_in, Pool, Ready};
+use super::pool::{settle, Pool, Ready};
 use super::registry::Sandbox;
 use super::supervisor::{
     give, BootError, Booted, Supervisor, CONSOLE_LOG, CONTROL_SOCK, DISK_BASE, VM_SUBDIR,
@@ -214,24 +214,7 @@ impl Supervisor {
         });
         // A ready worker's socket, console and log move into the
         // sandbox's directory (its disk top is made by now).
-        let restored = match (restored, &ready_dir) {
-            (Ok(d), Some(rd)) => {
-                let r = Ready {
-                    worker,
-                    dir: rd.clone(),
-                };
-                let moved = move_in(&r, &dir);
-                worker = r.worker;
-                match moved {
-                    Ok(sock) => {
-                        worker.socket = sock;
-                        Ok(d)
-                    }
-                    Err(e) => Err(format!("Cannot move a ready worker in: {e}")),
-                }
-            }
-            (r, _) => r,
-        };
+        let restored = settle(restored, &mut worker, ready_dir.as_deref(), &dir);
         match restored {
             Ok(d) => Ok(Booted {
                 vsock: d.vsock_uds,

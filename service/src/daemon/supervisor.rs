@@ -40,7 +40,7 @@ use vmm::config::VmSpec;
 
 use super::error::chain;
 use super::images::TEST_GUEST_IMAGE;
-use super::pool::{move_in, Pool, Ready};
+use super::pool::{settle, Pool, Ready};
 use super::registry::{Runtime, Sandbox, State};
 use crate::linux::{self, LinuxRun};
 
@@ -289,24 +289,7 @@ impl Supervisor {
         });
         // A ready worker's socket, console and log move into the sandbox's
         // directory.
-        let booted = match (booted, &ready_dir) {
-            (Ok(d), Some(rd)) => {
-                let r = Ready {
-                    worker,
-                    dir: rd.clone(),
-                };
-                let moved = move_in(&r, &dir);
-                worker = r.worker;
-                match moved {
-                    Ok(sock) => {
-                        worker.socket = sock;
-                        Ok(d)
-                    }
-                    Err(e) => Err(format!("Cannot move a ready worker in: {e}")),
-                }
-            }
-            (r, _) => r,
-        };
+        let booted = settle(booted, &mut worker, ready_dir.as_deref(), &dir);
         match booted {
             Ok(d) => {
                 // tests/lab/bench-spawn.sh reads this line.
