@@ -79,7 +79,7 @@ keys = ["main_to_start", "pre", "config", "probe", "disk", "total", "kvm", "memo
 names = {"main_to_start": "process main to VM start", "pre": "process main to configuration (arguments, logger)",
          "config": "configuration (probe, disk)",
          "probe": "KVM probe (or kept verdict)", "disk": "writable disk", "total": "Vm::create",
-         "ready": "VM start to agent ready"}
+         "ready": "Vm::start called to agent ready (Vm::create included)"}
 for mode in ["top", "copy"]:
     boots = [b for b in every if b["mode"] == mode]
     if not boots:

@@ -59,10 +59,11 @@ impl Vm {
             fits
         });
         let mut base = VmBase::new(config.vcpus, shell)?;
-        let supported = base
+        let mut supported = base
             .kvm()
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
+        cpuid::add_host_features(&mut supported, base.caps());
         let has_pit = base.caps().pit2;
         phases.mark("kvm");
         let ram = match base.take_reservation() {

@@ -30,6 +30,9 @@ pub struct HostCaps {
     pub pit2: bool,
     /// Largest vCPU count KVM accepts (`KVM_CAP_MAX_VCPUS`).
     pub max_vcpus: usize,
+    /// The in-kernel LAPIC has the TSC-deadline timer mode
+    /// (`KVM_CAP_TSC_DEADLINE_TIMER`), which KVM's supported CPUID leaves out.
+    pub tsc_deadline: bool,
 }
 
 /// Opens KVM and checks the capabilities the VMM cannot work without.
@@ -55,6 +58,7 @@ pub fn open() -> Result<(Kvm, HostCaps), KvmError> {
     let caps = HostCaps {
         pit2: kvm.check_extension(Cap::Pit2),
         max_vcpus: kvm.get_max_vcpus(),
+        tsc_deadline: kvm.check_extension(Cap::TscDeadlineTimer),
     };
     Ok((kvm, caps))
 }
