@@ -17,6 +17,7 @@ use snapshot::Checksum;
 use sprout_worker::protocol::{
     encode, Backend, BootSpec, Description, ErrorCode, ForkLayerInfo, GuestKind, LineageInfo,
     Metrics, Request, Response, RestoreSpec, Shape as WorkerShape, WorkerError, WorkerState,
+    PROTOCOL_VERSION,
 };
 use vmm::config::VmSpec;
 use vmm::{DiskConfig, VmState, VsockConfig, STATE_VERSION};
@@ -123,7 +124,7 @@ fn worker_frame() {
         (
             "description",
             Response::Description(Box::new(Description {
-                protocol: 1,
+                protocol: PROTOCOL_VERSION,
                 pid: 42,
                 started_at_ms: 1,
                 socket: "w.sock".into(),

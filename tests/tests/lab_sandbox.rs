@@ -28,7 +28,9 @@ fn a_restored_guest_keeps_processes_and_files_and_takes_a_new_identity() {
 {BOOT_PARENT}
 sprout vm exec --api-sock /tmp/p.sock --exec '
   echo kept > /workspace/note
-  (i=0; while :; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done) >/dev/null 2>&1 &
+  # Renamed into place: `>` truncates before it writes, and a read (or the
+  # snapshot) in between would see an empty file.
+  (i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.2; done) >/dev/null 2>&1 &
   sleep 1; echo parent-host: $(hostname)' || exit 10
 sprout vm snapshot --api-sock /tmp/p.sock --out /tmp/snap || exit 11
 sprout vm exec --api-sock /tmp/p.sock --exec 'echo at-snapshot: $(cat /tmp/counter)' || exit 12
