@@ -28,7 +28,9 @@ case $scrub in 0 | 1) ;; *) echo "SCRUB is 0 or 1" >&2; exit 2 ;; esac
 case $disk in top | both) ;; *) echo "DISK is top or both" >&2; exit 2 ;; esac
 say() { printf '[bench-boot %s] %s\n' "$(date +%T)" "$*" >&2; }
 
-"$here/build.sh" >/dev/null
+# This checkout's lab, whatever <cache>/lab names by the time it runs.
+SPROUT_LAB=$("$here/build.sh" | tail -n 1)
+export SPROUT_LAB
 script=$(mktemp)
 out=$(mktemp)
 trap 'rm -f "$script" "$out"' EXIT

@@ -29,7 +29,9 @@ case $scrub in 0 | 1) ;; *) echo "SCRUB is 0 or 1" >&2; exit 2 ;; esac
 say() { printf '[bench-peer %s] %s\n' "$(date +%T)" "$*" >&2; }
 [ -x "$fc" ] || { say "error: $fc is not an executable"; exit 2; }
 
-"$here/build.sh" >/dev/null
+# This checkout's lab, whatever <cache>/lab names by the time it runs.
+SPROUT_LAB=$("$here/build.sh" | tail -n 1)
+export SPROUT_LAB
 say "building fc-peer"
 cargo build --release --quiet --manifest-path "$root/Cargo.toml" -p sprout-tests --bin fc-peer
 work=$(mktemp -d)

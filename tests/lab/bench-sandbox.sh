@@ -19,7 +19,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 runs=${1:-20}
 say() { printf '[bench-sandbox %s] %s\n' "$(date +%T)" "$*" >&2; }
 
-"$here/build.sh" >/dev/null
+# This checkout's lab, whatever <cache>/lab names by the time it runs.
+SPROUT_LAB=$("$here/build.sh" | tail -n 1)
+export SPROUT_LAB
 script=$(mktemp)
 out=$(mktemp)
 trap 'rm -f "$script" "$out"' EXIT

@@ -116,7 +116,7 @@ impl Script {
     /// no exit marker), with the console in the message.
     pub fn run(self) -> LabOutput {
         let root = repo_root();
-        ensure_built(&root);
+        let lab = ensure_built(&root);
         let _slot = Slot::take();
         // The lab is an emulated machine running an emulated one. A run
         // that hangs there, or whose outer kernel locks up, is retried once;
@@ -125,7 +125,7 @@ impl Script {
         // Sprout's) up to twice. Each retry is loud, with the failed run's
         // console in the test's output; past that it is a failure.
         let (mut freezes, mut hangs) = (0, 0);
-        let mut out = self.run_once(&root);
+        let mut out = self.run_once(&root, lab);
         loop {
             match out.status {
                 LAB_FROZEN if freezes < 2 => freezes += 1,
@@ -137,16 +137,20 @@ impl Script {
                  (status {}); retrying. The failed run:\n--- output ---\n{}\n--- lab ---\n{}",
                 out.status, out.stdout, out.stderr
             );
-            out = self.run_once(&root);
+            out = self.run_once(&root, lab);
         }
     }
 
-    fn run_once(&self, root: &Path) -> LabOutput {
+    fn run_once(&self, root: &Path, lab: &Path) -> LabOutput {
         let dir = tempdir();
         let script = dir.join("script.sh");
         std::fs::write(&script, &self.text).expect("write the lab script");
         let mut cmd = Command::new("bash");
+        // This checkout's lab, not whichever `<cache>/lab` names when the
+        // run starts: another checkout's build (a CI clone beside a working
+        // tree) moves that link.
         cmd.arg(root.join("tests/lab/run.sh"))
+            .env("SPROUT_LAB", lab)
             .arg("--timeout")
             .arg(self.timeout.as_secs().max(1).to_string());
         if let Some(n) = self.smp {
@@ -201,26 +205,34 @@ fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Builds the lab (a cache hit unless an input changed) once per process.
-fn ensure_built(root: &Path) {
-    static BUILT: OnceLock<Result<(), String>> = OnceLock::new();
+/// Builds the lab (a cache hit unless an input changed) once per process;
+/// its directory, as build.sh prints it (`$SPROUT_LAB` if that is set).
+fn ensure_built(root: &Path) -> &'static Path {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let r = BUILT.get_or_init(|| {
         let out = Command::new("bash")
             .arg(root.join("tests/lab/build.sh"))
             .output()
             .map_err(|e| format!("cannot run tests/lab/build.sh: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
+        if !out.status.success() {
+            return Err(format!(
                 "tests/lab/build.sh failed ({}):\n{}",
                 out.status,
                 String::from_utf8_lossy(&out.stderr)
-            ))
+            ));
+        }
+        if let Some(dir) = std::env::var_os("SPROUT_LAB").filter(|d| !d.is_empty()) {
+            return Ok(PathBuf::from(dir));
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match stdout.lines().rev().find(|l| !l.trim().is_empty()) {
+            Some(dir) => Ok(PathBuf::from(dir.trim())),
+            None => Err("tests/lab/build.sh printed no lab directory".into()),
         }
     });
-    if let Err(e) = r {
-        panic!("the lab is not available: {e}");
+    match r {
+        Ok(dir) => dir,
+        Err(e) => panic!("the lab is not available: {e}"),
     }
 }
 
