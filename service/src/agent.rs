@@ -49,23 +49,72 @@ pub fn client(uds: &Path) -> Client {
     )
 }
 
-/// Pings the agent until it answers (how long that took), the VM ends, or
-/// `limit` passes.
+/// Waits until the agent answers (how long that took, and with `refresh` the
+/// refresh's report), the VM ends, or `limit` passes.
+///
+/// Without `refresh` the agent is pinged. With it (a restored or forked guest,
+/// whose agent is already up) the identity refresh is itself the probe: one
+/// round trip to the guest instead of a ping's and then the refresh's, each
+/// attempt with the clock read as it is sent. A refresh the agent answers but
+/// refuses (or that did not set the clock or reseed the CRNG) is an error, not
+/// retried.
 pub async fn wait_ready(
     client: &Client,
     exit: &ExitSignal,
     limit: Duration,
-) -> Result<Duration, AgentError> {
+    refresh: Option<&Refresh>,
+) -> Result<(Duration, Option<IdentityDone>), AgentError> {
     let t = Instant::now();
     loop {
         if let Some(r) = exit.get() {
             return Err(AgentError::Ended(r));
         }
-        match client.ping().await {
-            Ok(_) => return Ok(t.elapsed()),
-            Err(e) if t.elapsed() > limit => return Err(AgentError::Timeout(limit, e.to_string())),
-            Err(_) => tokio::time::sleep(POLL).await,
+        match probe(client, refresh).await {
+            Ok(done) => return Ok((t.elapsed(), done)),
+            Err(Probe::Refused(e)) => return Err(e),
+            Err(Probe::Unreachable(e)) if t.elapsed() > limit => {
+                return Err(AgentError::Timeout(limit, e.to_string()))
+            }
+            Err(Probe::Unreachable(_)) => tokio::time::sleep(POLL).await,
         }
+    }
+}
+
+/// A new identity for a restored or forked guest: [`fresh_identity`] of
+/// `instance_id`, with `hostname` as its host name if given.
+#[derive(Clone, Debug)]
+pub struct Refresh {
+    pub instance_id: u64,
+    pub hostname: Option<String>,
+}
+
+/// Why one [`probe`] did not succeed.
+#[derive(Debug)]
+pub enum Probe {
+    /// No answer (the agent is not up yet, or the connection failed): try again.
+    Unreachable(ClientError),
+    /// The agent answered, with a refusal: trying again will not help.
+    Refused(AgentError),
+}
+
+/// One attempt at the agent: a ping, or with `refresh` the identity refresh
+/// (see [`wait_ready`]).
+pub async fn probe(
+    client: &Client,
+    refresh: Option<&Refresh>,
+) -> Result<Option<IdentityDone>, Probe> {
+    let Some(r) = refresh else {
+        return match client.ping().await {
+            Ok(_) => Ok(None),
+            Err(e) => Err(Probe::Unreachable(e)),
+        };
+    };
+    let mut ident = fresh_identity(r.instance_id).map_err(Probe::Refused)?;
+    ident.hostname = r.hostname.clone();
+    match client.identity_refresh(ident).await {
+        Ok(done) => check_refresh(done).map(Some).map_err(Probe::Refused),
+        Err(e @ ClientError::Agent { .. }) => Err(Probe::Refused(e.into())),
+        Err(e) => Err(Probe::Unreachable(e)),
     }
 }
 
@@ -96,17 +145,10 @@ fn now_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// Re-identifies the guest behind `client` after a restore or fork: new
-/// instance id and host name, the host's clock, entropy and a CRNG reseed.
-/// Fails if the agent could not set the clock or reseed the CRNG (a guest that
-/// shares its random state with a sibling is not usable).
-pub async fn refresh_identity(
-    client: &Client,
-    instance_id: u64,
-) -> Result<IdentityDone, AgentError> {
-    let done = client
-        .identity_refresh(fresh_identity(instance_id)?)
-        .await?;
+/// What a refresh did, if it did what a restored guest needs: the clock set
+/// and the CRNG reseeded (a guest that shares its random state with a sibling
+/// is not usable); the steps it could not do are logged.
+pub fn check_refresh(done: IdentityDone) -> Result<IdentityDone, AgentError> {
     if !(done.clock_set && done.entropy_added && done.crng_reseeded) {
         return Err(AgentError::Identity(done.errors.join("; ")));
     }

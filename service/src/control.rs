@@ -366,12 +366,14 @@ fn refresh(kids: &mut [(WorkerProcess, u64)]) -> Result<(), ControlError> {
                 let client = agent::client(&uds);
                 // The worker owns the VM: nothing ends it from here.
                 let exit = ExitSignal::default();
-                let r = async {
-                    agent::wait_ready(&client, &exit, REFRESH_TIMEOUT).await?;
-                    agent::refresh_identity(&client, id).await
-                }
-                .await;
-                r.map(|_| ()).map_err(|e| ControlError::Refresh(sock, e))
+                let refresh = agent::Refresh {
+                    instance_id: id,
+                    hostname: None,
+                };
+                agent::wait_ready(&client, &exit, REFRESH_TIMEOUT, Some(&refresh))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| ControlError::Refresh(sock, e))
             });
         }
         let mut first = Ok(());

@@ -732,24 +732,29 @@ async fn run_job(
     let client = agent::client(uds);
     let limit = boot_timeout();
     let us = || started.elapsed().as_micros();
-    match agent::wait_ready(&client, exit, limit).await {
-        Ok(_) => {
-            // tests/lab/bench-boot.sh and bench-sandbox.sh read these lines.
+    let refresh = refresh.map(|instance_id| agent::Refresh {
+        instance_id,
+        hostname: None,
+    });
+    match agent::wait_ready(&client, exit, limit, refresh.as_ref()).await {
+        Ok((_, done)) => {
+            // tests/lab/bench-boot.sh, bench-sandbox.sh and bench-peer.sh
+            // read these lines. A restored guest's first answer is its
+            // identity refresh's.
             log::info!("agent ready {} us after start", us());
+            if let Some(done) = done {
+                log::info!(
+                    "identity refreshed {} us after start: host name {}",
+                    us(),
+                    done.hostname.as_deref().unwrap_or("?")
+                );
+            }
         }
         Err(AgentError::Ended(r)) => return Err(LinuxError::EndedEarly(r, console.text())),
         Err(AgentError::Timeout(l, e)) => {
             return Err(LinuxError::AgentTimeout(l, e, console.text()))
         }
         Err(e) => return Err(LinuxError::Agent(e)),
-    }
-    if let Some(id) = refresh {
-        let done = agent::refresh_identity(&client, id).await?;
-        log::info!(
-            "identity refreshed {} us after start: host name {}",
-            us(),
-            done.hostname.as_deref().unwrap_or("?")
-        );
     }
     run_transfers(&client, &job.put, true).await?;
     let code = match &job.exec {

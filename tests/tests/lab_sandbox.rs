@@ -120,7 +120,7 @@ fn forked_guests_are_isolated_and_each_takes_a_new_identity() {
     // UUID and its host name.
     let script = format!(
         r#"{BOOT_PARENT}
-sprout vm exec --api-sock /tmp/p.sock --exec 'echo parent > /workspace/who; echo parent-host: $(hostname)' || exit 10
+sprout vm exec --api-sock /tmp/p.sock --exec 'echo parent > /workspace/who; echo parent-host: $(hostname); echo parent-machine: $(cat /etc/machine-id)' || exit 10
 sprout vm fork --api-sock /tmp/p.sock --count 3 > /tmp/kids || exit 11
 i=0
 for k in $(cat /tmp/kids); do
@@ -172,12 +172,21 @@ for k in $(cat /tmp/kids /tmp/grandkid); do sprout vm ctl --api-sock $k stop || 
     hosts.extend(out.values("grandchild-host:"));
     assert_eq!(hosts.len(), 5, "{o}");
     assert_eq!(hosts.iter().collect::<HashSet<_>>().len(), 5, "{hosts:?}");
-    let machines = out.values("machine:");
+    // The booted parent was given a machine id of its own (the test image
+    // has none), and every child (overwriting it in place) a new one.
+    let mut machines = out.values("machine:");
     assert_eq!(machines.len(), 4, "{o}");
-    assert!(machines.iter().all(|m| m.len() == 32), "{machines:?}");
+    machines.extend(out.values("parent-machine:"));
+    assert_eq!(machines.len(), 5, "{o}");
+    assert!(
+        machines
+            .iter()
+            .all(|m| m.len() == 32 && m.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{machines:?}"
+    );
     assert_eq!(
         machines.iter().collect::<HashSet<_>>().len(),
-        4,
+        5,
         "{machines:?}"
     );
     let mut pids = out.values("child-pid:");

@@ -98,9 +98,47 @@ struct Shared {
     procs: ProcTable,
     exec_slots: Arc<Semaphore>,
     conn_slots: Arc<Semaphore>,
+    /// Held while the machine's identity changes: by the boot's machine-id
+    /// check (see [`Server::new`]), then by each refresh, so one never
+    /// interleaves with the other.
+    identity: Arc<Mutex<()>>,
+    /// Set once the boot's machine-id check is known to be over.
+    booted_identity: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// Waits for the boot's machine-id check (a moment, once): a command
+    /// run right after boot sees the machine's id.
+    async fn boot_identity(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.booted_identity.load(Ordering::Acquire) {
+            drop(self.identity.lock().await);
+            self.booted_identity.store(true, Ordering::Release);
+        }
+    }
 }
 
 type Reader<S> = Arc<Mutex<FrameReader<ReadHalf<S>>>>;
+
+/// In a VM (an agent that may change the machine), gives a machine booted
+/// without an id one of its own, off the path to the first ping's answer;
+/// every other request waits for it. Outside a tokio runtime it does nothing.
+fn give_machine_id(lock: &Arc<Mutex<()>>) {
+    let (Ok(rt), Ok(guard)) = (
+        tokio::runtime::Handle::try_current(),
+        lock.clone().try_lock_owned(),
+    ) else {
+        return;
+    };
+    rt.spawn_blocking(move || {
+        let _guard = guard;
+        match identity::ensure_machine_id(identity::machine_id_path()) {
+            Ok(Some(id)) => info!("new machine id {id}"),
+            Ok(None) => {}
+            Err(e) => warn!("cannot give the machine an id: {e}"),
+        }
+    });
+}
 
 /// The agent's request server.
 #[derive(Clone)]
@@ -115,8 +153,13 @@ impl Server {
             procs: ProcTable::new(config.max_finished, config.ring_bytes),
             exec_slots: Arc::new(Semaphore::new(config.max_execs)),
             conn_slots: Arc::new(Semaphore::new(config.max_connections)),
+            identity: Arc::new(Mutex::new(())),
+            booted_identity: Default::default(),
             config,
         };
+        if shared.config.allow_identity {
+            give_machine_id(&shared.identity);
+        }
         Self {
             shared: Arc::new(shared),
         }
@@ -298,6 +341,10 @@ impl Server {
     {
         let sh = &self.shared;
         let id = frame.request_id;
+        // Readiness is answered at once; the rest follows the boot's id.
+        if !matches!(frame.msg, Message::Ping(_)) {
+            sh.boot_identity().await;
+        }
         match frame.msg {
             Message::Ping(_) => {
                 let pong = Pong {
@@ -332,12 +379,15 @@ impl Server {
                         "Identity refresh is disabled: the agent runs without --allow-identity";
                     return reply_error(w, id, ErrorCode::Forbidden, why).await;
                 }
+                // After the boot's own machine-id check, one refresh at a time.
+                let one_at_a_time = sh.identity.lock().await;
                 let answer =
                     match tokio::task::spawn_blocking(move || identity::refresh(&req)).await {
                         Ok(Ok(done)) => done.into(),
                         Ok(Err(e)) => ErrorMsg::new(ErrorCode::BadRequest, e.to_string()).into(),
                         Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
                     };
+                drop(one_at_a_time);
                 write_frame(w, id, &answer).await
             }
             Message::NetConfigure(req) => {

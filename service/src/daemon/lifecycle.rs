@@ -146,6 +146,7 @@ fn boot_failed(e: BootError) -> ApiError {
         BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
         BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
         BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
+        BootError::Identity(m) => ApiError::new(Code::AgentUnavailable, m),
     }
 }
 
@@ -155,6 +156,7 @@ fn restore_failed(e: BootError) -> ApiError {
         BootError::Failed(m) => ApiError::new(Code::SnapshotFailed, m),
         // Not the snapshot's fault: a template is not failed for it.
         BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
+        BootError::Identity(m) => ApiError::new(Code::AgentUnavailable, m),
     }
 }
 
@@ -1107,41 +1109,24 @@ impl App {
         let agent = self
             .agent(s)
             .ok_or_else(|| ApiError::new(Code::AgentUnavailable, "The VM has no vsock device"))?;
-        let t = Instant::now();
-        let waited = self
+        let refresh = identity.map(|(instance_id, hostname)| crate::agent::Refresh {
+            instance_id,
+            hostname: Some(hostname.unwrap_or_else(|| hostname_for(s.id))),
+        });
+        let (waited, done) = self
             .supervisor
-            .wait_agent(&agent, s.id, sock)
+            .wait_agent(&agent, s.id, sock, refresh.as_ref())
             .await
             .map_err(boot_failed)?;
-        let answered = t.elapsed();
-        if let Some((iid, hostname)) = identity {
-            let hostname = hostname.unwrap_or_else(|| hostname_for(s.id));
-            let mut ident =
-                crate::agent::fresh_identity(iid).map_err(|e| ApiError::internal(chain(&e)))?;
-            ident.hostname = Some(hostname.clone());
-            let done = agent.identity_refresh(ident).await.map_err(|e| {
-                ApiError::new(
-                    Code::AgentUnavailable,
-                    format!("The guest could not be re-identified: {}", chain(&e)),
-                )
-            })?;
-            if !(done.clock_set && done.entropy_added && done.crng_reseeded) {
-                return Err(ApiError::new(
-                    Code::AgentUnavailable,
-                    format!(
-                        "The guest could not be re-identified: {}",
-                        done.errors.join("; ")
-                    ),
-                ));
-            }
+        if let Some(hostname) = done.and_then(|d| d.hostname) {
             let id = s.id;
             self.db(move |r| r.set_hostname(id, &hostname)).await?;
         }
         tracing::debug!(
             vm = %s.id,
-            "agent answered in {} ms, re-identified {} ms later",
+            "agent answered in {} ms{}",
             waited.as_millis(),
-            (t.elapsed() - answered).as_millis()
+            if refresh.is_some() { ", re-identified" } else { "" }
         );
         Ok(())
     }

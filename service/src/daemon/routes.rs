@@ -835,6 +835,7 @@ async fn schedule(
             BootError::Unsupported(m) => (Code::HostUnsupported, m.clone()),
             BootError::Failed(m) => (Code::BootFailed, m.clone()),
             BootError::Worker(m) => (Code::WorkerFailed, m.clone()),
+            BootError::Identity(m) => (Code::AgentUnavailable, m.clone()),
         };
         let reason = why.clone();
         app.db(move |r| r.set_state(id, VmState::Failed, Some(&reason)))

@@ -42,6 +42,7 @@ use super::error::chain;
 use super::images::TEST_GUEST_IMAGE;
 use super::pool::{settle, Pool, Ready};
 use super::registry::{Runtime, Sandbox, State};
+use crate::agent::Probe;
 use crate::linux::{self, LinuxRun};
 
 /// How long a new sandbox's agent has to answer unless `SPROUT_BOOT_TIMEOUT`
@@ -79,6 +80,9 @@ pub enum BootError {
     /// snapshot or image it was to run).
     #[error("{0}")]
     Worker(String),
+    /// The agent answered, but refused to re-identify its restored guest.
+    #[error("{0}")]
+    Identity(String),
 }
 
 /// A sandbox's worker, once its VM runs.
@@ -326,14 +330,17 @@ impl Supervisor {
         }
     }
 
-    /// Waits until the agent of the sandbox behind `worker_socket` answers a
-    /// ping, failing early if its worker ends.
+    /// Waits until the agent of the sandbox behind `worker_socket` answers,
+    /// failing early if its worker ends: a ping, or with `refresh` the
+    /// identity refresh itself (`agent::wait_ready` says why), whose report
+    /// it returns.
     pub async fn wait_agent(
         &self,
         agent: &guest_agent::client::Client,
         id: Uuid,
         worker_socket: &Path,
-    ) -> Result<Duration, BootError> {
+        refresh: Option<&crate::agent::Refresh>,
+    ) -> Result<(Duration, Option<guest_agent::protocol::IdentityDone>), BootError> {
         let limit = std::env::var("SPROUT_BOOT_TIMEOUT")
             .ok()
             .and_then(|s| s.parse().ok())
@@ -341,9 +348,15 @@ impl Supervisor {
         let t = Instant::now();
         let mut last_check = Instant::now();
         loop {
-            let e = match agent.ping().await {
-                Ok(_) => return Ok(t.elapsed()),
-                Err(e) => e,
+            let e = match crate::agent::probe(agent, refresh).await {
+                Ok(done) => return Ok((t.elapsed(), done)),
+                Err(Probe::Refused(e)) => {
+                    return Err(BootError::Identity(format!(
+                        "The guest could not be re-identified: {}",
+                        chain(&e)
+                    )))
+                }
+                Err(Probe::Unreachable(e)) => e,
             };
             if t.elapsed() > limit {
                 return Err(BootError::Failed(format!(

@@ -193,6 +193,7 @@ impl App {
                     BootError::Unsupported(m) => ApiError::new(Code::HostUnsupported, m),
                     BootError::Failed(m) => ApiError::new(Code::BootFailed, m),
                     BootError::Worker(m) => ApiError::new(Code::WorkerFailed, m),
+                    BootError::Identity(m) => ApiError::new(Code::AgentUnavailable, m),
                 });
         let booted = match booted {
             Ok(b) => b,
@@ -214,12 +215,13 @@ impl App {
                 let agent = crate::agent::client(uds);
                 let sock = s.worker_socket.clone().unwrap_or_default();
                 self.supervisor
-                    .wait_agent(&agent, build_id, &sock)
+                    .wait_agent(&agent, build_id, &sock, None)
                     .await
                     .map_err(|e| match e {
-                        BootError::Unsupported(m) | BootError::Failed(m) | BootError::Worker(m) => {
-                            ApiError::new(Code::BootFailed, m)
-                        }
+                        BootError::Unsupported(m)
+                        | BootError::Failed(m)
+                        | BootError::Worker(m)
+                        | BootError::Identity(m) => ApiError::new(Code::BootFailed, m),
                     })?;
             }
             let snap_id = Uuid::new_v4();
