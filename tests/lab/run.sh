@@ -17,6 +17,19 @@
 #   --log      keep the whole serial console (kernel messages included) here
 #   --printk   the lab kernel's console log level (default 1: only emergencies,
 #              so kernel messages do not mix with the script's output)
+#   --tick     the lab kernel's timer tick: periodic (default) or oneshot.
+#              QEMU 7.2 (Debian 12's) can lose the lab kernel's timer
+#              interrupt while a nested guest runs: its VMRUN sets
+#              interrupt_request without QEMU's lock, racing the timer
+#              thread's request to poll the local APIC, and a lost poll
+#              leaves the timer's vector pending in the APIC's IRR with
+#              nothing to deliver it (fixed upstream in 2025 by making that
+#              field atomic). A one-shot timer is then never re-armed, and a
+#              guest spinning on a lock (no PAUSE exits under TCG) keeps the
+#              emulated CPU for good. A periodic tick (nohz=off highres=off)
+#              raises the timer again every jiffy, which recovers the lost
+#              poll. oneshot reproduces the freeze (docs/benchmarks.md).
+#              SPROUT_LAB_TICK sets the default.
 #   --stall    host seconds without the lab kernel's heartbeat (it prints one
 #              every 5 s of its own time, which runs slow) after which the emulated machine
 #              counts as frozen (default 300): QEMU's monitor then shows where
@@ -37,6 +50,7 @@ lab=${SPROUT_LAB:-$cache/lab}
 timeout=600
 smp=${SPROUT_LAB_SMP:-1}
 stall=300
+tick=${SPROUT_LAB_TICK:-periodic}
 printk=1
 log=
 
@@ -48,6 +62,7 @@ while [ $# -gt 0 ]; do
     --timeout) timeout=$2; shift 2 ;;
     --smp) smp=$2; shift 2 ;;
     --stall) stall=$2; shift 2 ;;
+    --tick) tick=$2; shift 2 ;;
     --printk) printk=$2; shift 2 ;;
     --log) log=$2; shift 2 ;;
     --) shift; break ;;
@@ -55,7 +70,12 @@ while [ $# -gt 0 ]; do
     *) break ;;
   esac
 done
-[ $# -ge 1 ] || die "usage: $0 [--timeout SECS] [--smp N] [--log FILE] SCRIPT [FILE...]"
+[ $# -ge 1 ] || die "usage: $0 [--timeout SECS] [--smp N] [--tick periodic|oneshot] [--log FILE] SCRIPT [FILE...]"
+case "$tick" in
+  periodic) tick_args="nohz=off highres=off" ;;
+  oneshot) tick_args="" ;;
+  *) die "--tick is periodic or oneshot, not $tick" ;;
+esac
 script=$1
 shift
 [ -f "$lab/initrd.cpio" ] && [ -f "$lab/vmlinuz" ] || die "the lab is not built at $lab: run tests/lab/build.sh"
@@ -96,7 +116,7 @@ timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G 
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
   -chardev "pipe,id=mon,path=$tmp/mon" -mon chardev=mon,mode=readline \
   -d cpu_reset,guest_errors -D "$tmp/qemu.log" \
-  -append "console=ttyS0 panic=-1 softlockup_panic=1 nokaslr quiet lab.diag=$diag lab.printk=$printk" "${disk[@]}" </dev/null >"$console" 2>&1 &
+  -append "console=ttyS0 panic=-1 softlockup_panic=1 nokaslr quiet lab.diag=$diag lab.printk=$printk $tick_args" "${disk[@]}" </dev/null >"$console" 2>&1 &
 qemu=$!
 # Keep the monitor's output drained (and kept), and a writer open on its input.
 # (Both FIFOs opened read-write: an open never waits for a QEMU that failed to start.)
@@ -167,6 +187,21 @@ for addr in re.findall(r"^([0-9a-f]{16}): Cannot access memory", dump, re.M):
 PY
 }
 
+# Says so if QEMU's monitor output $1 ("info lapic") shows the lab kernel's
+# timer interrupt lost (see --tick): the local timer's vector waiting in the
+# IRR, nothing in service, the timer spent.
+lost_timer() {
+  tr -d '\r' <"$1" | awk -v tick="$tick" '
+    /^dumping local APIC state for CPU/ { cpu = $NF; timer = 0; irr = 0; isr = 0 }
+    /^LVTT/ && /one-shot/ && !/masked/ && match($0, /vec [0-9]+/) { vec = substr($0, RSTART + 4, RLENGTH - 4); timer = 1 }
+    /^Timer/ && /current_count = 0$/ { spent = 1 }
+    /^ISR/ && /\(none\)/ { isr = 1 }
+    /^IRR/ { for (i = 2; i <= NF; i++) if ($i == vec) irr = 1
+             if (timer && spent && isr && irr && !said[cpu]++)
+               printf "CPU %s: the lab kernel'"'"'s timer interrupt (vector %s) waits in its local APIC while the one-shot timer is spent: QEMU lost it (the race described at run.sh --tick; this run'"'"'s tick: %s)\n", cpu, vec, tick
+             spent = 0 }'
+}
+
 froze=0
 last_beats=0
 quiet=0
@@ -191,9 +226,15 @@ while kill -0 "$qemu" 2>/dev/null; do
     for c in $(seq 0 $((smp - 1))); do
       echo "cpu $c" >&8
       echo 'x /16xb $pc' >&8
+      # The lab kernel's own local APIC: its timer (armed or spent) and
+      # what is pending (IRR) or in service (ISR), to tell an interrupt
+      # QEMU holds back from one that was never raised.
+      echo "info lapic" >&8
     done
     sleep 1
     tr -d '\r' <"$tmp/monitor.log" | grep -E '^\*? *CPU #|^RIP=|^RAX=|^CR0=|^EFL|^CS ' >&2 || true
+    tr -d '\r' <"$tmp/monitor.log" | grep -E '^(dumping local APIC|LVTT|Timer|ISR|IRR|APR)' >&2 || true
+    lost_timer "$tmp/monitor.log" >&2 || true
     where_cpus_were "$tmp/monitor.log" >&2 || true
     [ -n "$log" ] && cp "$tmp/monitor.log" "$log.monitor"
     kill "$qemu" 2>/dev/null

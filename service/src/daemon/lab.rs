@@ -473,9 +473,13 @@ impl Run {
         cmd.arg("-nic")
             .arg(nic)
             .arg("-append")
+            // A periodic tick (nohz=off highres=off): QEMU 7.2 can lose the
+            // lab kernel's timer interrupt while a nested guest runs, and
+            // only a timer that re-arms itself recovers from that
+            // (tests/lab/run.sh, --tick, says how).
             .arg(format!(
-                "console=ttyS0 panic=-1 softlockup_panic=1 quiet lab.printk=1 lab.service=sproutd \
-                 lab.sproutd={}",
+                "console=ttyS0 panic=-1 softlockup_panic=1 quiet nohz=off highres=off lab.printk=1 \
+                 lab.service=sproutd lab.sproutd={}",
                 cfg.inner_args.join(",")
             ))
             .stdin(Stdio::piped())
