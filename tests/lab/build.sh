@@ -21,7 +21,8 @@
 # Usage: tests/lab/build.sh [--no-default]
 #   --no-default  leave the default (Debian + python3) image out of the lab
 # Environment: SPROUT_GUEST_KERNEL, a guest vmlinux to use instead of building
-#   ours with guest/build-kernel.sh.
+#   ours with guest/build-kernel.sh. SPROUT_LAB_KERNEL, the Debian package
+#   (or meta-package) of the outer kernel, linux-image-cloud-amd64 unless set.
 # Prints the lab directory on stdout; progress goes to stderr.
 set -euo pipefail
 
@@ -61,7 +62,7 @@ flock 9
 start=$(date +%s)
 
 # --- 1. The outer kernel: Debian's cloud kernel and its modules -------------
-meta=linux-image-cloud-amd64
+meta=${SPROUT_LAB_KERNEL:-linux-image-cloud-amd64}
 pkg=$(apt-cache depends "$meta" 2>/dev/null | awk '/Depends: linux-image-/ && !n++ { print $2 }')
 # Modules the lab loads (KVM; virtio-blk over PCI for the images and data
 # disks; virtio-net for sproutd's port when it is served from the lab, see

@@ -11,9 +11,11 @@
 #   FILE...    extra files, copied to /lab/ beside the script
 #   --timeout  host-time limit in seconds (default 600): the outer VM runs on an
 #              emulated CPU, its own clock under-reports
-#   --smp      vCPUs of the outer VM (default: $SPROUT_LAB_SMP or 1: with 2,
-#              the outer kernel's KVM once locked up with both emulated CPUs
-#              spinning, "soft lockup" in kvm-pit and a kworker; 1 is as fast)
+#   --smp      vCPUs of the outer VM (default: $SPROUT_LAB_SMP or 1). With 2,
+#              QEMU's nested SVM corrupts kernel state now and then: the lab's
+#              own kernel and its guests, booted ones too, die of page faults
+#              at kernel entry with a wrong GS base (QEMU 7.2 and 10.0, lab
+#              kernels 6.1 and 6.12, docs/benchmarks.md); hence the default.
 #   --log      keep the whole serial console (kernel messages included) here
 #   --printk   the lab kernel's console log level (default 1: only emergencies,
 #              so kernel messages do not mix with the script's output)
@@ -30,6 +32,11 @@
 #              raises the timer again every jiffy, which recovers the lost
 #              poll. oneshot reproduces the freeze (docs/benchmarks.md).
 #              SPROUT_LAB_TICK sets the default.
+#   Environment, for telling emulator failures apart (docs/benchmarks.md,
+#   issue 18): SPROUT_LAB_ACCEL, QEMU's -accel (default tcg; e.g.
+#   tcg,thread=single runs every emulated CPU on one host thread);
+#   SPROUT_LAB_CPU, its -cpu (default max; e.g. max,la57=off). QEMU is the
+#   first qemu-system-x86_64 on PATH.
 #   --stall    host seconds without the lab kernel's heartbeat (it prints one
 #              every 5 s of its own time, which runs slow) after which the emulated machine
 #              counts as frozen (default 300): QEMU's monitor then shows where
@@ -112,7 +119,7 @@ mkfifo "$tmp/mon.in" "$tmp/mon.out"
 : >"$console"
 SECONDS=0
 set +e
-timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel tcg -cpu max -m 2G -smp "$smp" \
+timeout --kill-after=10 "$timeout" qemu-system-x86_64 -accel "${SPROUT_LAB_ACCEL:-tcg}" -cpu "${SPROUT_LAB_CPU:-max}" -m 2G -smp "$smp" \
   -nographic -no-reboot -kernel "$lab/vmlinuz" -initrd "$tmp/initrd" \
   -chardev "pipe,id=mon,path=$tmp/mon" -mon chardev=mon,mode=readline \
   -d cpu_reset,guest_errors -D "$tmp/qemu.log" \
