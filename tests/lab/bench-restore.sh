@@ -12,19 +12,24 @@
 #
 # Usage: tests/lab/bench-restore.sh [--runs N] [--per-boot K] [--smp 1|2|alt]
 #                                   [--guest-cpus N] [--jobs J] [--out DIR]
-#                                   [--tick periodic|oneshot]
-#   defaults: 50 runs, 5 per boot, smp alt, 2 guest vCPUs, 1 job, out
+#                                   [--tick periodic|oneshot] [--control]
+#   defaults: 50 runs, 5 per boot, smp 1 (at 2, QEMU's nested SVM kills the
+#   lab kernel and its guests now and then, docs/benchmarks.md), 2 guest
+#   vCPUs, 1 job, out
 #   /tmp/sprout-restore-stress, the lab's periodic tick. --jobs runs that many
 #   labs at once (each is one emulated CPU per --smp). --tick oneshot runs the
 #   lab kernel with the one-shot timer whose interrupt QEMU 7.2 can lose
-#   (tests/lab/run.sh --tick): the lab then freezes now and then.
+#   (tests/lab/run.sh --tick): the lab then freezes now and then. --control
+#   runs the control instead: the same load with no snapshot and no restore
+#   (two freshly booted VMs in place of each pair of restores), to tell
+#   whether a failure needs a snapshot or a restore at all.
 # Prints one line per boot, then a summary, and a JSON line
 # {"bench":"restore-stress",...}. Exits 1 if any iteration was not ok.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-runs=50 per_boot=5 smp=alt guest_cpus=2 jobs=1 out=/tmp/sprout-restore-stress tick=periodic
+runs=50 per_boot=5 smp=1 guest_cpus=2 jobs=1 out=/tmp/sprout-restore-stress tick=periodic control=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --runs) runs=$2; shift 2 ;;
@@ -34,6 +39,7 @@ while [ $# -gt 0 ]; do
     --jobs) jobs=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --tick) tick=$2; shift 2 ;;
+    --control) control=1; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -49,7 +55,9 @@ flock -s 7
 vmlinux=$("$root/guest/build-kernel.sh" 2>/dev/null)
 mkdir -p "$out"
 boots=$(( (runs + per_boot - 1) / per_boot ))
-say "$runs iterations, $per_boot per boot ($boots boots), outer smp $smp, $tick tick, guest vCPUs $guest_cpus, $jobs at once; logs in $out"
+what=restores
+[ "$control" = 1 ] && what="control (no snapshot, no restore)"
+say "$runs iterations of $what, $per_boot per boot ($boots boots), outer smp $smp, $tick tick, guest vCPUs $guest_cpus, $jobs at once; logs in $out"
 
 one_boot() {
   local b=$1 s=$2
@@ -60,7 +68,7 @@ one_boot() {
   # Lab-time step limit 400 s; the host limit leaves room for every step.
   "$here/run.sh" --timeout $(( n * 1200 + 300 )) --smp "$s" --tick "$tick" --printk 4 --log "$log.console" - \
     "$here/inflight.py" "$here/restore-stress.sh" >"$log.out" 2>"$log.err" <<EOF || rc=$?
-ITERATIONS=$n GUEST_CPUS=$guest_cpus DATA_MIB=1 MEM_MIB=4 PASSES=1 STEP_TIMEOUT=400 sh /lab/restore-stress.sh
+ITERATIONS=$n GUEST_CPUS=$guest_cpus DATA_MIB=1 MEM_MIB=4 PASSES=1 STEP_TIMEOUT=400 CONTROL=$control sh /lab/restore-stress.sh
 EOF
   echo "$rc" >"$log.rc"
   local ok hang
@@ -75,6 +83,12 @@ EOF
   esac
   # run.sh's reading of the lab kernel's local APIC at a freeze.
   grep -q 'QEMU lost it' "$log.err" && why="$why; QEMU lost the lab kernel's timer interrupt"
+  # Guests that ended by themselves (a triple fault, a reset after a panic),
+  # by name: orig (booted, snapshotted), r-* (restored), c-* (control).
+  local ended
+  ended=$(awk '/^--- \/tmp\/.*\.console \(tail\)/ { vm = $2; sub(".*/", "", vm); sub("\\.console", "", vm) }
+    /VM ended: guest (triple fault|reset)/ { printf "%s%s: %s", sep, vm, ($5 == "triple" ? "triple fault" : "reset"); sep = ", " }' "$log.out")
+  [ -n "$ended" ] && why="$why; guests ended: $ended"
   say "boot $b (smp $s): $ok of $n ok, $hang hung, lab status $rc$why"
 }
 
@@ -133,6 +147,7 @@ say "done: $total_run of $runs iterations ran: $total_ok ok, $total_hang hung, $
 for f in "$out"/boot-*.out; do
   grep -q '=== HANG' "$f" && say "hang dump: $f"
 done
-printf '{"bench":"restore-stress","runs":%d,"ran":%d,"ok":%d,"hang":%d,"errors":%d,"failed":%d,"lab_failures":%d,"smp":"%s","tick":"%s","guest_cpus":%d}\n' \
-  "$runs" "$total_run" "$total_ok" "$total_hang" "$total_err" "$total_failed" "$lab_fail" "$smp" "$tick" "$guest_cpus"
+printf '{"bench":"restore-stress","runs":%d,"ran":%d,"ok":%d,"hang":%d,"errors":%d,"failed":%d,"lab_failures":%d,"smp":"%s","tick":"%s","guest_cpus":%d,"control":%s}\n' \
+  "$runs" "$total_run" "$total_ok" "$total_hang" "$total_err" "$total_failed" "$lab_fail" "$smp" "$tick" "$guest_cpus" \
+  "$([ "$control" = 1 ] && echo true || echo false)"
 [ "$total_ok" = "$runs" ]

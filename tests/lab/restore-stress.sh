@@ -18,7 +18,9 @@
 # Environment: ITERATIONS (default 1), GUEST_CPUS (2), GUEST_MIB (256),
 # DATA_MIB (4), WRITERS (8), MEM_MIB (16), PASSES (passes each VM must add
 # after a restore, default 2), STEP_TIMEOUT (lab seconds, default 400),
-# SELFTEST=1 (run the checker's negative control first).
+# SELFTEST=1 (run the checker's negative control first), CONTROL=1 (the
+# control: the same load with no snapshot and no restore, two freshly booted
+# VMs, each with its own workload, in place of each pair of restores).
 # Prints "result: iteration I ok|errors|hang|failed STEP" per iteration and
 # exits 0 only if every iteration was ok.
 
@@ -114,6 +116,20 @@ stop_all() {
   pids=""
 }
 
+# boot_vm NAME: boots a VM of the default image with a data disk of its own.
+boot_vm() {
+  sprout vm run --image default --cpus "$GUEST_CPUS" --memory-mib "$GUEST_MIB" \
+    --disk "/tmp/$1.ext4" --api-sock "/tmp/$1.sock" >"/tmp/$1.console" 2>&1 &
+  pids="$pids $!"
+  socks="$socks /tmp/$1.sock"
+}
+
+# start_workload NAME: starts inflight.py's writers and memory checker.
+start_workload() {
+  step "$1: start the workload" sprout vm exec --api-sock "/tmp/$1.sock" --exec \
+    "python3 /workspace/inflight.py start $W --mib $DATA_MIB --threads $WRITERS --mem-mib $MEM_MIB"
+}
+
 # restore NAME SNAPSHOT BACKEND
 restore() {
   sprout vm restore "$2" --memory-backend "$3" --api-sock "/tmp/$1.sock" >"/tmp/$1.console" 2>&1 &
@@ -151,12 +167,9 @@ check() {
 }
 
 iteration() {
-  rm -rf /tmp/orig.ext4 /tmp/snap-* /tmp/*.sock /tmp/*.console
+  rm -rf /tmp/*.ext4 /tmp/snap-* /tmp/*.sock /tmp/*.console
   say "boot the original ($GUEST_CPUS vCPUs)"
-  sprout vm run --image default --cpus "$GUEST_CPUS" --memory-mib "$GUEST_MIB" \
-    --disk /tmp/orig.ext4 --api-sock /tmp/orig.sock >/tmp/orig.console 2>&1 &
-  pids="$!"
-  socks="/tmp/orig.sock"
+  boot_vm orig
   wait_ctl /tmp/orig.sock || { echo "no control socket"; tail -n 30 /tmp/orig.console; return 3; }
   step "boot: the agent answers" sprout vm exec --api-sock /tmp/orig.sock \
     --put /lab/inflight.py:inflight.py --exec 'echo agent: up' || return $?
@@ -171,28 +184,40 @@ iteration() {
       "python3 /workspace/inflight.py selftest /workspace/selftest" || return $?
   fi
   say "start the workload"
-  step "start the workload" sprout vm exec --api-sock /tmp/orig.sock --exec \
-    "python3 /workspace/inflight.py start $W --mib $DATA_MIB --threads $WRITERS --mem-mib $MEM_MIB" ||
-    return $?
+  start_workload orig || return $?
   for kind in full diff; do
-    ex /tmp/orig.sock 'echo "inflight requests at snapshot: $(cat /sys/block/vdb/inflight)"'
-    say "$kind snapshot of the running original under I/O"
-    flag=
-    [ "$kind" = diff ] && flag=--diff
-    step "$kind snapshot" sprout vm snapshot --api-sock /tmp/orig.sock $flag --out "/tmp/snap-$kind" || return $?
-    say "restore it twice at once (mmap, uffd) beside the original"
-    restore "r-$kind-mmap" "/tmp/snap-$kind" mmap
-    restore "r-$kind-uffd" "/tmp/snap-$kind" uffd
-    for n in "r-$kind-mmap" "r-$kind-uffd"; do
-      wait_ctl "/tmp/$n.sock" || { echo "no control socket for $n"; tail -n 30 "/tmp/$n.console"; return 3; }
-    done
-    for n in orig "r-$kind-mmap" "r-$kind-uffd"; do
+    if [ "${CONTROL:-0}" = 1 ]; then
+      a=c-$kind-1 b=c-$kind-2
+      say "control: boot two VMs beside the original (no snapshot, no restore)"
+      boot_vm "$a"
+      boot_vm "$b"
+      for n in "$a" "$b"; do
+        wait_ctl "/tmp/$n.sock" || { echo "no control socket for $n"; tail -n 30 "/tmp/$n.console"; return 3; }
+        step "$n: the agent answers" sprout vm exec --api-sock "/tmp/$n.sock" \
+          --put /lab/inflight.py:inflight.py --exec 'echo agent: up' || return $?
+        start_workload "$n" || return $?
+      done
+    else
+      a=r-$kind-mmap b=r-$kind-uffd
+      ex /tmp/orig.sock 'echo "inflight requests at snapshot: $(cat /sys/block/vdb/inflight)"'
+      say "$kind snapshot of the running original under I/O"
+      flag=
+      [ "$kind" = diff ] && flag=--diff
+      step "$kind snapshot" sprout vm snapshot --api-sock /tmp/orig.sock $flag --out "/tmp/snap-$kind" || return $?
+      say "restore it twice at once (mmap, uffd) beside the original"
+      restore "$a" "/tmp/snap-$kind" mmap
+      restore "$b" "/tmp/snap-$kind" uffd
+      for n in "$a" "$b"; do
+        wait_ctl "/tmp/$n.sock" || { echo "no control socket for $n"; tail -n 30 "/tmp/$n.console"; return 3; }
+      done
+    fi
+    for n in orig "$a" "$b"; do
       check "$n" || return $?
     done
     mem
     if [ "$kind" = full ]; then
       # The diff restores' memory comes from the full layer too.
-      for n in r-full-mmap r-full-uffd; do
+      for n in "$a" "$b"; do
         say "stop the workload in $n and check every block"
         step "$n: stop and final check" sprout vm exec --api-sock "/tmp/$n.sock" --exec "python3 /workspace/inflight.py stop $W" || return $?
         timeout -s KILL 60 sprout vm ctl --api-sock "/tmp/$n.sock" stop >/dev/null 2>&1
@@ -200,7 +225,7 @@ iteration() {
       done
     fi
   done
-  for n in orig r-diff-mmap r-diff-uffd; do
+  for n in orig "$a" "$b"; do
     say "stop the workload in $n and check every block"
     step "$n: stop and final check" sprout vm exec --api-sock "/tmp/$n.sock" --exec "python3 /workspace/inflight.py stop $W" || return $?
   done
