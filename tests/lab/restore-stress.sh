@@ -79,7 +79,9 @@ step() {
   timeout -s KILL "$STEP_TIMEOUT" "$@" >/tmp/step.out 2>&1
   rc=$?
   cat /tmp/step.out
-  if [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
+  # A running VM whose agent stopped answering (sprout gives up after 180 s)
+  # is a hang too: dump it while it is still there.
+  if [ "$rc" = 137 ] || [ "$rc" = 124 ] || grep -q 'agent did not answer' /tmp/step.out; then
     dump "$what"
     return 124
   fi
