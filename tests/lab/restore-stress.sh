@@ -126,6 +126,14 @@ boot_vm() {
   socks="$socks /tmp/$1.sock"
 }
 
+# vm_up NAME: a booted VM's control socket is there, its agent answers, and it
+# has the checker (inflight.py).
+vm_up() {
+  wait_ctl "/tmp/$1.sock" || { echo "no control socket for $1"; tail -n 30 "/tmp/$1.console"; return 3; }
+  step "$1: the agent answers" sprout vm exec --api-sock "/tmp/$1.sock" \
+    --put /lab/inflight.py:inflight.py --exec 'echo agent: up'
+}
+
 # start_workload NAME: starts inflight.py's writers and memory checker.
 start_workload() {
   step "$1: start the workload" sprout vm exec --api-sock "/tmp/$1.sock" --exec \
@@ -172,9 +180,7 @@ iteration() {
   rm -rf /tmp/*.ext4 /tmp/snap-* /tmp/*.sock /tmp/*.console
   say "boot the original ($GUEST_CPUS vCPUs)"
   boot_vm orig
-  wait_ctl /tmp/orig.sock || { echo "no control socket"; tail -n 30 /tmp/orig.console; return 3; }
-  step "boot: the agent answers" sprout vm exec --api-sock /tmp/orig.sock \
-    --put /lab/inflight.py:inflight.py --exec 'echo agent: up' || return $?
+  vm_up orig || return $?
   if [ "$it" = 1 ]; then
     # Whether the guest kernel uses paravirtual spinlocks (it needs
     # KVM_FEATURE_PV_UNHALT from the lab's KVM).
@@ -194,9 +200,7 @@ iteration() {
       boot_vm "$a"
       boot_vm "$b"
       for n in "$a" "$b"; do
-        wait_ctl "/tmp/$n.sock" || { echo "no control socket for $n"; tail -n 30 "/tmp/$n.console"; return 3; }
-        step "$n: the agent answers" sprout vm exec --api-sock "/tmp/$n.sock" \
-          --put /lab/inflight.py:inflight.py --exec 'echo agent: up' || return $?
+        vm_up "$n" || return $?
         start_workload "$n" || return $?
       done
     else
