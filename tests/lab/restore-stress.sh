@@ -126,10 +126,15 @@ boot_vm() {
   socks="$socks /tmp/$1.sock"
 }
 
+# ctl_up NAME: the VM's control socket answers (else its console's tail).
+ctl_up() {
+  wait_ctl "/tmp/$1.sock" || { echo "no control socket for $1"; tail -n 30 "/tmp/$1.console"; return 3; }
+}
+
 # vm_up NAME: a booted VM's control socket is there, its agent answers, and it
 # has the checker (inflight.py).
 vm_up() {
-  wait_ctl "/tmp/$1.sock" || { echo "no control socket for $1"; tail -n 30 "/tmp/$1.console"; return 3; }
+  ctl_up "$1" || return $?
   step "$1: the agent answers" sprout vm exec --api-sock "/tmp/$1.sock" \
     --put /lab/inflight.py:inflight.py --exec 'echo agent: up'
 }
@@ -214,7 +219,7 @@ iteration() {
       restore "$a" "/tmp/snap-$kind" mmap
       restore "$b" "/tmp/snap-$kind" uffd
       for n in "$a" "$b"; do
-        wait_ctl "/tmp/$n.sock" || { echo "no control socket for $n"; tail -n 30 "/tmp/$n.console"; return 3; }
+        ctl_up "$n" || return $?
       done
     fi
     for n in orig "$a" "$b"; do
