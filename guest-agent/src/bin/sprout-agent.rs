@@ -10,6 +10,7 @@
 //! ```
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -62,6 +63,10 @@ struct Args {
     resolv_conf: Option<PathBuf>,
 }
 
+/// How long an idle blocking-pool thread of the agent's runtime waits for work
+/// before it exits: a week, so that one is there after a snapshot and restore.
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(7 * 24 * 3600);
+
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     if std::process::id() == 1 {
@@ -89,6 +94,13 @@ fn main() -> anyhow::Result<()> {
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // Keep idle blocking-pool threads instead of letting them exit after
+        // tokio's default 10 s: a guest snapshotted later would otherwise have
+        // none, and its first blocking job after a restore (the identity
+        // refresh, on the path to the first exec) would start a thread, which
+        // costs milliseconds where guest kernel code is emulated. A parked
+        // thread costs a stack; the pool's size stays bounded by tokio's cap.
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build()
         .context("cannot start the tokio runtime")?;
     runtime.block_on(async move {
