@@ -239,3 +239,34 @@ async fn write_modes_and_permissions() {
     // The connection pool survived all the errors.
     client.ping().await.unwrap();
 }
+
+/// Threads of process `pid`.
+fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .count()
+}
+
+/// The blocking-pool thread a file request ran on is still there after more
+/// than tokio's default 10 s of idleness. A guest snapshotted after a quiet
+/// spell then still has one, and the identity refresh after a restore (a
+/// blocking job on the path to the first exec) does not have to start a
+/// thread, which costs milliseconds where guest kernel code is emulated.
+#[tokio::test]
+async fn an_idle_blocking_pool_thread_outlives_ten_quiet_seconds() {
+    let agent = Agent::start();
+    let client = agent.client();
+    client.mkdir("d", false).await.unwrap();
+    let busy = threads(agent.pid());
+    assert!(busy >= 2, "{busy} threads after a file request");
+    // The quiet spell itself is what is tested: tokio's default would let
+    // the idle thread go after 10 s.
+    tokio::time::sleep(std::time::Duration::from_secs(12)).await;
+    assert_eq!(
+        threads(agent.pid()),
+        busy,
+        "an idle thread of the agent exited"
+    );
+    // And the request after the quiet spell is answered.
+    assert_eq!(client.stat("d").await.unwrap().kind, FileKind::Dir);
+}
