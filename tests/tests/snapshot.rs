@@ -479,6 +479,84 @@ fn restores_into_prebuilt_shells_with_each_backend() {
     assert!(err.to_string().contains("shell"), "{err}");
 }
 
+/// Every CPUID leaf and subleaf (0-3) the guest can read on vCPU `cpu`,
+/// basic and extended.
+fn cpuid_table(vm: &Vm, cpu: u8) -> Vec<(u32, u32, [u64; 4])> {
+    let mut out = Vec::new();
+    for base in [0u32, 0x8000_0000] {
+        let max = call(vm, cpu, mb::CMD_CPUID, [u64::from(base), 0, 0, 0]).rets[0] as u32;
+        assert!(
+            max >= base && max - base < 0x100,
+            "leaf {base:#x} says {max:#x}"
+        );
+        for leaf in base..=max {
+            for sub in 0..4 {
+                let r = call(vm, cpu, mb::CMD_CPUID, [u64::from(leaf), sub, 0, 0]).rets;
+                out.push((leaf, sub as u32, r));
+            }
+        }
+    }
+    out
+}
+
+type CpuidTables = [Vec<(u32, u32, [u64; 4])>; 2];
+
+/// Panics naming the first leaf where `got` differs from `want`.
+fn same_cpuid(got: &CpuidTables, want: &CpuidTables, how: &str) {
+    for cpu in 0..2 {
+        assert_eq!(
+            got[cpu].len(),
+            want[cpu].len(),
+            "{how}: vCPU {cpu}'s leaves"
+        );
+        for (g, w) in got[cpu].iter().zip(&want[cpu]) {
+            assert_eq!(g, w, "{how}: vCPU {cpu}, CPUID (leaf, subleaf, regs)");
+        }
+    }
+}
+
+/// A shell's vCPUs get the boot CPUID ahead of time, and a boot or restore
+/// into the shell keeps it instead of setting it again when it is the one
+/// wanted: the guest must read the same CPUID every way it starts.
+#[test]
+fn the_guest_reads_one_cpuid_booted_or_restored_with_or_without_a_shell() {
+    let dir = TempDir::new("snap-cpuid");
+    let (cfg, console) = config(2, 256);
+    let tables = |vm: &Vm| -> CpuidTables { [cpuid_table(vm, 0), cpuid_table(vm, 1)] };
+    let mut vm = boot(cfg.clone(), &console);
+    let want = tables(&vm);
+    // Sanity: leaf 1 EBX holds each vCPU's own APIC id.
+    let apic_id = |t: &[(u32, u32, [u64; 4])]| {
+        let (_, _, r) = t.iter().find(|(l, s, _)| (*l, *s) == (1, 0)).unwrap();
+        r[1] >> 24
+    };
+    assert_eq!((apic_id(&want[0]), apic_id(&want[1])), (0, 1));
+
+    let shelled = Vm::start_in(cfg, Some(vmm::VmShell::new(2, 256).unwrap())).unwrap();
+    let m = shelled.mailbox().unwrap();
+    for c in 0..2 {
+        m.wait_ready(c, std::time::Duration::from_secs(30)).unwrap();
+    }
+    same_cpuid(&tables(&shelled), &want, "booted into a shell");
+    drop(shelled);
+
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    let r = Vm::restore(&snap, opts(MemoryBackend::Mmap, &dir, "a")).unwrap();
+    same_cpuid(&tables(&r), &want, "restored");
+    drop(r);
+    for backend in [MemoryBackend::Mmap, MemoryBackend::Uffd] {
+        let shell = vmm::VmShell::new(2, 256).unwrap();
+        let r = Vm::restore_in(shell, &snap, opts(backend, &dir, "b")).unwrap();
+        same_cpuid(
+            &tables(&r),
+            &want,
+            &format!("restored into a shell ({backend:?})"),
+        );
+    }
+}
+
 /// Restore opens the disk layer files the verified manifest lists, whatever
 /// they are called, and never a file it did not list: here the listed files
 /// are renamed (the manifest follows), and decoys under the names the VMM

@@ -76,8 +76,9 @@ pub(crate) type TransportMaker = Box<
 /// Step 1 of a VM being built: its KVM VM, before it has memory.
 pub(crate) struct VmBase {
     vcpus: u8,
-    /// vCPUs a shell made ahead of time, taken in index order.
-    pre_vcpus: VecDeque<VcpuFd>,
+    /// vCPUs a shell made ahead of time, taken in index order, each with
+    /// the CPUID table it was given.
+    pre_vcpus: VecDeque<(VcpuFd, crate::arch::cpuid::Preset)>,
     caps: HostCaps,
     msrs: Vec<u32>,
     /// A shell's reserved range, for the restore to map its memory into.
@@ -114,7 +115,7 @@ impl VmBase {
         Ok(match shell {
             Some(s) => VmBase {
                 vcpus,
-                pre_vcpus: s.vcpu_fds.into(),
+                pre_vcpus: s.vcpu_fds.into_iter().zip(s.cpuids).collect(),
                 caps: s.caps,
                 msrs: s.msrs,
                 reservation: Some(s.reservation),
@@ -235,18 +236,20 @@ impl VmBuilder {
     /// Step 4: every vCPU (the shell's, or new), each set up by `setup`.
     pub fn add_vcpus<E: From<VmError>>(
         &mut self,
-        mut setup: impl FnMut(&VcpuFd, u8) -> Result<(), E>,
+        mut setup: impl FnMut(&VcpuFd, u8, Option<&crate::arch::cpuid::Preset>) -> Result<(), E>,
     ) -> Result<(), E> {
         for i in 0..self.base.vcpus {
-            let fd = match self.base.pre_vcpus.pop_front() {
-                Some(fd) => fd,
-                None => self
-                    .base
-                    .vm
-                    .create_vcpu(u64::from(i))
-                    .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
+            let (fd, preset) = match self.base.pre_vcpus.pop_front() {
+                Some((fd, c)) => (fd, Some(c)),
+                None => (
+                    self.base
+                        .vm
+                        .create_vcpu(u64::from(i))
+                        .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
+                    None,
+                ),
             };
-            setup(&fd, i)?;
+            setup(&fd, i, preset.as_ref())?;
             self.fds.push(fd);
         }
         Ok(())

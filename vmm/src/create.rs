@@ -7,7 +7,6 @@ use devices::virtio::block::{Block, BlockConfig, LayerFiles, LayeredDisk};
 use devices::virtio::net::{Net, Tap};
 use devices::virtio::rng::Rng;
 use devices::virtio::vsock::Vsock;
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::kernel::{self, EntryKind};
@@ -59,11 +58,8 @@ impl Vm {
             fits
         });
         let mut base = VmBase::new(config.vcpus, shell)?;
-        let mut supported = base
-            .kvm()
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        let supported = cpuid::supported(base.kvm(), base.caps())
             .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
-        cpuid::add_host_features(&mut supported, base.caps());
         let has_pit = base.caps().pit2;
         phases.mark("kvm");
         let ram = match base.take_reservation() {
@@ -97,11 +93,14 @@ impl Vm {
         }
 
         let n = config.vcpus;
-        b.add_vcpus(|fd, i| -> Result<(), VmError> {
+        b.add_vcpus(|fd, i, preset| -> Result<(), VmError> {
             let mut c = supported.clone();
             cpuid::for_vcpu(&mut c, i, n);
-            fd.set_cpuid2(&c)
-                .map_err(|e| VmError::KvmOp("set CPUID", e))?;
+            // A shell's vCPU has this very table already.
+            if preset.is_none_or(|p| p.given != c.as_slice()) {
+                fd.set_cpuid2(&c)
+                    .map_err(|e| VmError::KvmOp("set CPUID", e))?;
+            }
             regs::setup_vcpu(fd, i, kernel.entry, kernel.kind)?;
             Ok(())
         })?;

@@ -290,8 +290,8 @@ impl Vm {
             m.resync(st.mailbox_ready)?;
         }
         phase("devices restored");
-        b.add_vcpus(|fd, i| -> Result<(), RestoreError> {
-            state::restore_vcpu(fd, i, &st.vcpus[usize::from(i)])?;
+        b.add_vcpus(|fd, i, preset| -> Result<(), RestoreError> {
+            state::restore_vcpu(fd, i, &st.vcpus[usize::from(i)], preset)?;
             Ok(())
         })?;
         phase("vCPUs restored");

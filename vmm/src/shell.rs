@@ -1,6 +1,7 @@
 //! Everything about a VM that does not depend on what runs in it, made ahead
-//! of time: the KVM VM with its irqchip and PIT, its vCPUs, and guest memory
-//! slots registered over a reserved (still empty) range of host memory.
+//! of time: the KVM VM with its irqchip and PIT, its vCPUs (with this host's
+//! boot CPUID set), and guest memory slots registered over a reserved (still
+//! empty) range of host memory.
 //!
 //! Registering a memory slot is the slowest step of building a VM on this
 //! host's KVM (about 5–6 ms, whatever the size); a restore or fork into a
@@ -24,6 +25,8 @@ pub struct VmShell {
     pub(crate) _kvm: Kvm,
     pub(crate) caps: HostCaps,
     pub(crate) vcpu_fds: Vec<VcpuFd>,
+    /// The CPUID set on each of `vcpu_fds`: the one a boot gives it.
+    pub(crate) cpuids: Vec<crate::arch::cpuid::Preset>,
     pub(crate) msrs: Vec<u32>,
     pub(crate) vm: VmFd,
     pub(crate) reservation: Reservation,
@@ -46,17 +49,38 @@ impl VmShell {
             .map_err(|e| VmError::Memory(memory::MemoryError::Memfd(e)))?;
         memory::register_range(&vm, reservation.as_ptr(), mem_bytes, true)?;
         let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
+        let mut cpuids = Vec::with_capacity(usize::from(vcpus));
+        let supported = crate::arch::cpuid::supported(&kvm, caps)
+            .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
         for i in 0..vcpus {
-            vcpu_fds.push(
-                vm.create_vcpu(u64::from(i))
-                    .map_err(|e| VmError::KvmOp("create a vCPU", e))?,
-            );
+            let fd = vm
+                .create_vcpu(u64::from(i))
+                .map_err(|e| VmError::KvmOp("create a vCPU", e))?;
+            // The boot CPUID, set now: setting a vCPU's CPUID is one of the
+            // slowest steps of a restore on this host's KVM (~70 us), and a
+            // boot, or a restore of a snapshot taken on this host, needs no
+            // other (see `cpuid::same_after_restore`).
+            let mut c = supported.clone();
+            crate::arch::cpuid::for_vcpu(&mut c, i, vcpus);
+            fd.set_cpuid2(&c)
+                .map_err(|e| VmError::KvmOp("set CPUID", e))?;
+            // What KVM made of it: some hosts' KVM fill in features of
+            // their own (PVM adds the host's).
+            let effective = fd
+                .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+                .map_err(|e| VmError::KvmOp("read CPUID", e))?;
+            cpuids.push(crate::arch::cpuid::Preset {
+                given: c.as_slice().to_vec(),
+                effective: effective.as_slice().to_vec(),
+            });
+            vcpu_fds.push(fd);
         }
         let msrs = state::msr_list(&kvm)?;
         Ok(VmShell {
             _kvm: kvm,
             caps,
             vcpu_fds,
+            cpuids,
             msrs,
             vm,
             reservation,

@@ -125,6 +125,9 @@ pub const CMD_NET_SEND: u32 = 16;
 /// args = [gpa, cap]: post a `cap`-byte receive buffer at gpa on virtio-net and
 /// wait for a frame. rets[0] = its length, header included.
 pub const CMD_NET_RECV: u32 = 17;
+/// args = [leaf, subleaf]: rets = the CPUID instruction's eax, ebx, ecx,
+/// edx on this vCPU.
+pub const CMD_CPUID: u32 = 18;
 /// `CMD_FLOOD` target: virtio-blk reads.
 pub const FLOOD_BLK: u64 = 1;
 /// `CMD_FLOOD` target: virtio-rng reads.

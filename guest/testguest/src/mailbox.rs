@@ -94,6 +94,12 @@ impl Mailbox {
             CMD_CHECKSUM => words(info, a0, a1).map(|n| [checksum(a0, n), 0, 0, 0]),
             CMD_COUNT => Ok([count(self.counter(), a0), 0, 0, 0]),
             CMD_MEMINFO => Ok(meminfo(info)),
+            CMD_CPUID => {
+                // SAFETY: CPUID exists on every x86_64 CPU and has no side
+                // effects here.
+                let r = unsafe { core::arch::x86_64::__cpuid_count(a0 as u32, a1 as u32) };
+                Ok([r.eax, r.ebx, r.ecx, r.edx].map(u64::from))
+            }
             CMD_PRINT => buffer(info, a0, a1).map(|p| {
                 // SAFETY: `buffer` checked the range is host scratch RAM.
                 serial::print_bytes(unsafe { core::slice::from_raw_parts(p, a1 as usize) });

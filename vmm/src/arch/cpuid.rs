@@ -1,9 +1,63 @@
 //! CPUID: KVM's supported set, made consistent per vCPU (APIC ids, topology,
 //! the hypervisor bit).
 
-use kvm_bindings::CpuId;
+use kvm_bindings::{kvm_cpuid_entry2, CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::Kvm;
 
 use crate::kvm::HostCaps;
+
+/// What a booted VM's vCPUs get on this host, before [`for_vcpu`] makes it
+/// each one's: KVM's supported set with the host's extra features.
+pub fn supported(kvm: &Kvm, caps: HostCaps) -> Result<CpuId, kvm_ioctls::Error> {
+    let mut c = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)?;
+    add_host_features(&mut c, caps);
+    Ok(c)
+}
+
+/// The CPUID table a shell set on a vCPU it made ahead of time.
+#[derive(Clone, Debug)]
+pub struct Preset {
+    /// The table given to `KVM_SET_CPUID2`: a boot giving the same needs
+    /// to set none.
+    pub given: Vec<kvm_cpuid_entry2>,
+    /// The table `KVM_GET_CPUID2` read back: KVM may have filled in more
+    /// (PVM does). A restore whose snapshot has this one, as running (see
+    /// [`same_after_restore`]), needs to set none.
+    pub effective: Vec<kvm_cpuid_entry2>,
+}
+
+/// Leaf 1 ECX bit 27: OSXSAVE, KVM's copy of CR4.OSXSAVE.
+const ECX_OSXSAVE: u32 = 1 << 27;
+/// Leaf 1 EDX bit 9: APIC, KVM's copy of the APIC base MSR's enable bit.
+const EDX_APIC: u32 = 1 << 9;
+/// Leaf 7 subleaf 0 ECX bit 4: OSPKE, KVM's copy of CR4.PKE.
+const ECX_OSPKE: u32 = 1 << 4;
+
+/// Whether CPUID entries `a` and `b` set on a vCPU give its guest the same
+/// CPUID once its registers are restored. KVM rewrites a few bits of the
+/// table from the vCPU's state whenever that state changes
+/// (`kvm_update_cpuid_runtime`: OSXSAVE and OSPKE from CR4, APIC from the
+/// APIC base MSR, leaf 0xd's XSAVE area sizes from XCR0 and XSS), so a
+/// table read from a running vCPU differs from the one set at its boot in
+/// exactly those; every other field, and the entries' number and order,
+/// must be equal.
+pub fn same_after_restore(a: &[kvm_cpuid_entry2], b: &[kvm_cpuid_entry2]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| masked(x) == masked(y))
+}
+
+fn masked(e: &kvm_cpuid_entry2) -> kvm_cpuid_entry2 {
+    let mut e = *e;
+    match (e.function, e.index) {
+        (0x1, _) => {
+            e.ecx &= !ECX_OSXSAVE;
+            e.edx &= !EDX_APIC;
+        }
+        (0x7, 0) => e.ecx &= !ECX_OSPKE,
+        (0xd, 0 | 1) => e.ebx = 0,
+        _ => {}
+    }
+    e
+}
 
 /// Leaf 1 ECX bit 31: running under a hypervisor.
 const ECX_HYPERVISOR: u32 = 1 << 31;
@@ -126,6 +180,56 @@ fn complete_topology_leaves(cpuid: &mut CpuId) {
 mod tests {
     use super::*;
     use kvm_bindings::kvm_cpuid_entry2;
+
+    #[test]
+    fn tables_differing_only_in_runtime_bits_are_the_same_after_restore() {
+        let boot = [
+            kvm_cpuid_entry2 {
+                function: 1,
+                ecx: 0x0020_0001,
+                edx: EDX_APIC | 1,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 7,
+                flags: kvm_bindings::KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+                ecx: 0x10_0000,
+                ..Default::default()
+            },
+            kvm_cpuid_entry2 {
+                function: 0xd,
+                flags: kvm_bindings::KVM_CPUID_FLAG_SIGNIFCANT_INDEX,
+                eax: 7,
+                ebx: 576,
+                ecx: 2696,
+                ..Default::default()
+            },
+        ];
+        // Read from a running guest: CR4.OSXSAVE and .PKE set, XCR0 grown.
+        let mut running = boot;
+        running[0].ecx |= ECX_OSXSAVE;
+        running[1].ecx |= ECX_OSPKE;
+        running[2].ebx = 832;
+        assert!(same_after_restore(&boot, &running));
+        assert!(same_after_restore(&running, &boot));
+
+        // Anything else differs.
+        let mut other = running;
+        other[0].ecx |= 1 << 5;
+        assert!(!same_after_restore(&boot, &other));
+        let mut other = running;
+        other[2].ecx = 1000;
+        assert!(!same_after_restore(&boot, &other));
+        let mut other = running;
+        other[1].eax = 1;
+        assert!(!same_after_restore(&boot, &other));
+        let mut other = running;
+        other[2].index = 2;
+        assert!(!same_after_restore(&boot, &other));
+        assert!(!same_after_restore(&boot, &running[..2]));
+        let swapped = [running[1], running[0], running[2]];
+        assert!(!same_after_restore(&boot, &swapped));
+    }
 
     #[test]
     fn topology_leaf_gets_its_core_level() {

@@ -140,14 +140,27 @@ pub fn save_vcpu(fd: &VcpuFd, vcpu: u8, msr_indices: &[u32]) -> Result<VcpuState
 /// Loads `s` into a freshly created vCPU (order matters: CPUID first, the
 /// LAPIC after the APIC base in sregs, MSRs such as TSC-deadline after the
 /// LAPIC, pending events last).
-pub fn restore_vcpu(fd: &VcpuFd, vcpu: u8, s: &VcpuState) -> Result<(), StateError> {
+pub fn restore_vcpu(
+    fd: &VcpuFd,
+    vcpu: u8,
+    s: &VcpuState,
+    preset: Option<&super::cpuid::Preset>,
+) -> Result<(), StateError> {
     let cpuid = CpuId::from_entries(&s.cpuid).map_err(|_| StateError::TooMany {
         vcpu,
         n: s.cpuid.len(),
         what: "CPUID entries",
     })?;
-    fd.set_cpuid2(&cpuid)
-        .map_err(vcpu_err("set CPUID of", vcpu))?;
+    // A shell's vCPU that has the boot CPUID of this host needs no other
+    // when the snapshot's is that one (as running, see
+    // `cpuid::same_after_restore`): KVM brings the few bits it derives
+    // from the registers up to date as they are restored below.
+    if preset.is_some_and(|p| super::cpuid::same_after_restore(&p.effective, &s.cpuid)) {
+        log::debug!("vCPU {vcpu}: the shell's CPUID is the snapshot's");
+    } else {
+        fd.set_cpuid2(&cpuid)
+            .map_err(vcpu_err("set CPUID of", vcpu))?;
+    }
     fd.set_sregs(&s.sregs)
         .map_err(vcpu_err("set segment registers of", vcpu))?;
     fd.set_regs(&s.regs)
