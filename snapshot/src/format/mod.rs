@@ -150,6 +150,10 @@ pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
     state: Vec<u8>,
+    /// Its memory layers' page maps, decoded and checked by the load that
+    /// verified it, in manifest order (empty for a snapshot just written):
+    /// a [`crate::LayerStack`] takes them instead of reading them again.
+    page_maps: Vec<std::sync::Arc<crate::layers::PageMap>>,
 }
 
 impl Snapshot {
@@ -170,6 +174,12 @@ impl Snapshot {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Memory layer `i`'s page map, as its load checked it (`None` for a
+    /// snapshot that was written, not loaded).
+    pub(crate) fn page_map(&self, i: usize) -> Option<&std::sync::Arc<crate::layers::PageMap>> {
+        self.page_maps.get(i)
     }
 
     pub fn manifest(&self) -> &Manifest {

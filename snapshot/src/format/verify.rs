@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::digest::{scan_file, Checksum};
 use super::manifest::{self, FileEntry, Manifest, MemoryLayerEntry, MemoryLayerKind};
@@ -23,9 +24,11 @@ pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
     let state = read_verified(dir, &manifest.state, MAX_STATE_BYTES)?;
     // What a trusted seal says was verified, bound to exact file versions.
     let sealed = super::seal::sealed(dir);
-    for layer in &manifest.memory_layers {
-        verify_memory_layer(dir, layer, manifest.shape.mem_bytes, &sealed)?;
-    }
+    let page_maps = manifest
+        .memory_layers
+        .iter()
+        .map(|l| verify_memory_layer(dir, l, manifest.shape.mem_bytes, &sealed).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
     for entry in manifest.disk_layers.iter().flat_map(|d| &d.files) {
         verify_file(dir, entry, &sealed)?;
     }
@@ -36,6 +39,7 @@ pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
         dir: dir.to_path_buf(),
         manifest,
         state,
+        page_maps,
     })
 }
 
@@ -316,7 +320,7 @@ fn verify_memory_layer(
     layer: &MemoryLayerEntry,
     mem_bytes: u64,
     sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
-) -> Result<(), SnapshotError> {
+) -> Result<PageMap, SnapshotError> {
     let map = read_page_map(dir, layer, mem_bytes)?;
     let (file, path) = open_sized(dir, &layer.data)?;
     if layer.data.size != mem_bytes {
@@ -329,7 +333,7 @@ fn verify_memory_layer(
         });
     }
     if verified_before(&file, &layer.data, sealed) {
-        return Ok(());
+        return Ok(map);
     }
     count_hash();
     let scan = scan_file(&file, mem_bytes, |pfn| map.has_data(pfn))
@@ -344,7 +348,7 @@ fn verify_memory_layer(
         });
     }
     remember_verified(&file, layer.data.checksum);
-    Ok(())
+    Ok(map)
 }
 
 fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, SnapshotError> {

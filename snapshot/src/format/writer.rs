@@ -274,6 +274,7 @@ impl SnapshotWriter {
             dir: self.final_dir.clone(),
             manifest,
             state: state_bytes,
+            page_maps: Vec::new(),
         })
     }
 

@@ -4,6 +4,7 @@
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use super::filemap::FileMap;
 use super::{LayerError, PageMap};
@@ -31,7 +32,7 @@ struct Layer {
     path: PathBuf,
     file: File,
     map: FileMap,
-    pages: PageMap,
+    pages: Arc<PageMap>,
 }
 
 /// The data files of a [`LayerStack`]'s layers, kept open by whatever maps
@@ -85,8 +86,10 @@ pub struct LayerStack {
 impl LayerStack {
     /// Opens the memory layers of `chain` (base first, as
     /// [`Snapshot::load_chain`] returns it). Layers under the topmost full
-    /// layer are not needed and not opened. Page maps are read and checked
-    /// again (they are small); data files must still have the verified size.
+    /// layer are not needed and not opened. Page maps are the ones the
+    /// snapshots' load decoded and checked (read and checked again only for
+    /// a snapshot that was written, not loaded); data files must still have
+    /// the verified size.
     pub fn open(chain: &[Snapshot]) -> Result<LayerStack, LayerError> {
         let mem_bytes = chain.first().ok_or(LayerError::NoBase)?.shape().mem_bytes;
         if chain.iter().any(|s| s.shape().mem_bytes != mem_bytes) {
@@ -94,16 +97,25 @@ impl LayerStack {
         }
         let all: Vec<_> = chain
             .iter()
-            .flat_map(|s| s.manifest().memory_layers.iter().map(move |l| (s, l)))
+            .flat_map(|s| {
+                s.manifest()
+                    .memory_layers
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, l)| (s, i, l))
+            })
             .collect();
         let base = all
             .iter()
-            .rposition(|(_, l)| l.kind == MemoryLayerKind::Full)
+            .rposition(|(_, _, l)| l.kind == MemoryLayerKind::Full)
             .ok_or(LayerError::NoBase)?;
         let len = usize::try_from(mem_bytes).map_err(|_| LayerError::MemMismatch)?;
         let mut layers = Vec::with_capacity(all.len() - base);
-        for (snap, entry) in &all[base..] {
-            let pages = read_page_map(snap.dir(), entry, mem_bytes)?;
+        for &(snap, i, entry) in &all[base..] {
+            let pages = match snap.page_map(i) {
+                Some(p) => p.clone(),
+                None => Arc::new(read_page_map(snap.dir(), entry, mem_bytes)?),
+            };
             let path = snap.file_path(&entry.data);
             let file = File::open(&path).map_err(|e| SnapshotError::io("open", &path, e))?;
             let size = file
