@@ -16,7 +16,9 @@
 //! 3. The layer directory is kept while any VM needs it (the parent for its
 //!    next diff, every child for its memory and disks, deeper layers for their
 //!    base) and removed when the last one is gone: each holds a lease on it
-//!    ([`crate::lease`]), counted by the kernel across processes.
+//!    ([`crate::lease`]), counted by the kernel across processes. The chain a
+//!    full layer replaces is let go of after the fork's answer, not before
+//!    ([`Vm::release_retired_layers`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -213,6 +215,8 @@ impl Vm {
                     })
                 })
                 .collect();
+            // Meanwhile, the layers a full one let go of are removed.
+            self.release_retired_layers();
             handles
                 .into_iter()
                 .map(|h| h.join())

@@ -40,6 +40,13 @@ pub struct Lineage {
     depth: usize,
     /// Leases on the fork layers of `parent`'s chain, bottom first.
     leases: Vec<LayerLease>,
+    /// Leases let go of (a full layer began a new chain, or the dirty log
+    /// was lost) but not dropped yet: dropping the last lease on a layer
+    /// removes its directory, ~0.2 ms a layer on ext4 here (1.7 ms for a
+    /// chain of 8), which a fork should not wait for. Whoever wrote the
+    /// layer drops them once its caller has the answer
+    /// ([`crate::Vm::release_retired_layers`]).
+    retired: Vec<LayerLease>,
 }
 
 impl Lineage {
@@ -50,6 +57,7 @@ impl Lineage {
             parent: None,
             depth: 0,
             leases: Vec::new(),
+            retired: Vec::new(),
         }
     }
 
@@ -61,6 +69,7 @@ impl Lineage {
             parent: chain.last().cloned(),
             depth: chain.len(),
             leases,
+            retired: Vec::new(),
         }
     }
 
@@ -114,7 +123,7 @@ impl Lineage {
         match kind {
             SnapshotKind::Full => {
                 self.depth = 1;
-                self.leases.clear();
+                self.retired.append(&mut self.leases);
             }
             SnapshotKind::Diff => self.depth += 1,
         }
@@ -127,7 +136,13 @@ impl Lineage {
     pub fn lost_dirty_log(&mut self) {
         self.parent = None;
         self.depth = 0;
-        self.leases.clear();
+        self.retired.append(&mut self.leases);
+    }
+
+    /// The leases let go of since the last call (see `retired`): dropping
+    /// them removes the layers nobody else holds.
+    pub fn take_retired(&mut self) -> Vec<LayerLease> {
+        std::mem::take(&mut self.retired)
     }
 }
 
@@ -173,9 +188,22 @@ mod tests {
 
     #[test]
     fn forgetting_the_dirty_log_forgets_the_parent() {
+        let root = tempfile::tempdir().unwrap();
+        let f = snap(root.path(), "fork", None);
         let mut l = Lineage::new(1);
-        l.depth = 3;
+        l.wrote(
+            f.clone(),
+            SnapshotKind::Full,
+            Some(LayerLease::create(f.dir()).unwrap()),
+        );
         l.lost_dirty_log();
+        assert!(l.leases().is_empty());
+        assert!(
+            f.dir().exists(),
+            "removed before the retired lease was dropped"
+        );
+        drop(l.take_retired());
+        assert!(!f.dir().exists());
         assert_eq!(l.depth(), 0);
         assert!(l.parent().is_none());
         assert_eq!(l.fork_layer_kind(), SnapshotKind::Full);
@@ -229,9 +257,13 @@ mod tests {
             );
             prev = Some(s);
         }
-        // The first full layer's chain was let go when the second began:
-        // nobody else held it, so it is gone.
+        // The first full layer's chain was let go when the second began,
+        // and is removed (nobody else holds it) once the retired leases
+        // are dropped, not while the new layer is being handed out.
+        assert!(root.path().join("l0").exists());
+        assert_eq!(l.take_retired().len(), MAX_CHAIN_DEPTH);
         assert!(!root.path().join("l0").exists());
+        assert!(l.take_retired().is_empty());
         assert!(root.path().join(format!("l{MAX_CHAIN_DEPTH}")).exists());
     }
 
@@ -249,6 +281,7 @@ mod tests {
         l.wrote(s, SnapshotKind::Full, None);
         assert!(!l.parent_is_fork_layer());
         assert_eq!(l.check_snapshot(SnapshotKind::Diff), Ok(()));
+        drop(l.take_retired());
         assert!(
             !root.path().join("fork").exists(),
             "the unused fork layer is removed"

@@ -240,6 +240,8 @@ impl Vm {
         fork_layer: bool,
     ) -> Result<(), SnapshotError> {
         let before = self.state().after(op)?;
+        // Layers let go of at the last one and not released since.
+        self.release_retired_layers();
         if kind == SnapshotKind::Diff && self.lineage.parent().is_none() {
             return Err(LineageError::NoParent.into());
         }

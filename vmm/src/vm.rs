@@ -284,6 +284,15 @@ impl Vm {
         &self.lineage
     }
 
+    /// Drops the leases this VM let go of when its last layer began a new
+    /// chain (see [`crate::lineage`]): the fork layers nobody else holds
+    /// are removed now. Whoever wrote the layer calls it once its caller
+    /// has the answer ([`Vm::fork`] while its children start, a worker
+    /// after replying); else they go at the next snapshot or with the VM.
+    pub fn release_retired_layers(&mut self) {
+        drop(self.lineage.take_retired());
+    }
+
     /// Where this VM's vsock device listens, if it has one.
     pub fn vsock_uds(&self) -> Option<&std::path::Path> {
         self.config.vsock.as_ref().map(|v| v.uds_path.as_path())

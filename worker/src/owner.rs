@@ -145,6 +145,15 @@ impl Owner {
         d
     }
 
+    /// Work left from the last request once its answer is on its way: the
+    /// fork layers a full one let go of are removed (~1.7 ms for a chain
+    /// of 8 on ext4 here, which the fork's caller need not wait for).
+    pub fn after_reply(&mut self) {
+        if let Slot::Vm(vm) = &mut self.slot {
+            vm.release_retired_layers();
+        }
+    }
+
     /// Carries out one request.
     pub fn handle(&mut self, req: Request) -> (Response, After) {
         match self.handle_inner(req) {

@@ -266,6 +266,7 @@ fn serve(
                             response,
                             written: None,
                         });
+                        owner.after_reply();
                     }
                     After::Watch(exit) => {
                         watch(exit, tx.clone());
@@ -273,6 +274,7 @@ fn serve(
                             response,
                             written: None,
                         });
+                        owner.after_reply();
                     }
                     After::End => {
                         let (dtx, drx) = mpsc::sync_channel(1);

@@ -277,3 +277,42 @@ fn a_ready_worker_boots_into_its_shell_or_anew() {
         w.wait().unwrap();
     }
 }
+
+/// A full fork layer lets the parent's old chain go, and the worker removes
+/// those layers (nobody else holds them) after it has answered, not before.
+#[test]
+fn a_full_fork_layer_lets_the_old_chain_go_after_its_answer() {
+    let dir = TempDir::new("xfork-compact");
+    let scratch = dir.path().join("layers");
+    std::fs::create_dir(&scratch).unwrap();
+    let mut parent = boot_parent(dir.path());
+    let mut first = None;
+    for i in 0..vmm::MAX_CHAIN_DEPTH {
+        let l = parent
+            .client
+            .write_fork_layer(&scratch)
+            .expect("fork layer");
+        assert_eq!((l.depth, l.diff), (i + 1, i > 0), "layer {i}");
+        first.get_or_insert(l.dir);
+    }
+    assert_eq!(layers_in(&scratch).len(), vmm::MAX_CHAIN_DEPTH);
+    let full = parent
+        .client
+        .write_fork_layer(&scratch)
+        .expect("fork layer");
+    assert_eq!((full.depth, full.diff), (1, false));
+    wait_until("the old chain to be removed", || {
+        layers_in(&scratch) == vec![full.dir.clone()]
+    });
+    assert!(!first.unwrap().exists());
+    // The parent runs on, and its next layer is a diff on the full one.
+    call(&mut parent.client, mb::CMD_COUNT, [1, 0, 0, 0]);
+    let next = parent
+        .client
+        .write_fork_layer(&scratch)
+        .expect("fork layer");
+    assert_eq!((next.depth, next.diff), (2, true));
+    parent.client.stop().expect("stop");
+    parent.child.wait().expect("parent exits");
+    wait_until("every layer to go", || layers_in(&scratch).is_empty());
+}
