@@ -42,11 +42,35 @@ impl Drop for Dir {
     }
 }
 
+/// The scratch directory of a run (snapshots, fork layers, sockets) under
+/// `$TMPDIR` or /tmp. Its filesystem matters: fork layers are files, and
+/// creating them on ext4 costs several times what it does on tmpfs
+/// (docs/benchmarks.md), so the run says which it is on.
 pub fn scratch() -> anyhow::Result<Dir> {
     let d = std::env::temp_dir().join(format!("sprout-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d)?;
+    eprintln!(
+        "report: scratch directory {} on {} (set TMPDIR for another)",
+        d.display(),
+        fs_type(&d)
+    );
     Ok(Dir(d))
+}
+
+/// The type of the filesystem `path` is on, from /proc/mounts (the longest
+/// mount point above it), or "an unknown filesystem".
+fn fs_type(path: &Path) -> String {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, at, ty) = (f.next()?, f.next()?, f.next()?);
+            path.starts_with(at).then(|| (at.len(), ty.to_string()))
+        })
+        .max()
+        .map_or_else(|| "an unknown filesystem".into(), |(_, ty)| ty)
 }
 
 fn restore_opts(backend: MemoryBackend, prefetch: bool, dir: &Path) -> RestoreOptions {
