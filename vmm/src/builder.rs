@@ -115,7 +115,7 @@ impl VmBase {
         Ok(match shell {
             Some(s) => VmBase {
                 vcpus,
-                pre_vcpus: s.vcpu_fds.into_iter().zip(s.cpuids).collect(),
+                pre_vcpus: s.vcpu_fds.into(),
                 caps: s.caps,
                 msrs: s.msrs,
                 reservation: Some(s.reservation),

@@ -24,9 +24,9 @@ use crate::vm::VmError;
 pub struct VmShell {
     pub(crate) _kvm: Kvm,
     pub(crate) caps: HostCaps,
-    pub(crate) vcpu_fds: Vec<VcpuFd>,
-    /// The CPUID set on each of `vcpu_fds`: the one a boot gives it.
-    pub(crate) cpuids: Vec<crate::arch::cpuid::Preset>,
+    /// Its vCPUs in index order, each with the CPUID set on it: the one a
+    /// boot gives it.
+    pub(crate) vcpu_fds: Vec<(VcpuFd, crate::arch::cpuid::Preset)>,
     pub(crate) msrs: Vec<u32>,
     pub(crate) vm: VmFd,
     pub(crate) reservation: Reservation,
@@ -49,7 +49,6 @@ impl VmShell {
             .map_err(|e| VmError::Memory(memory::MemoryError::Memfd(e)))?;
         memory::register_range(&vm, reservation.as_ptr(), mem_bytes, true)?;
         let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
-        let mut cpuids = Vec::with_capacity(usize::from(vcpus));
         let supported = crate::arch::cpuid::supported(&kvm, caps)
             .map_err(|e| VmError::KvmOp("report supported CPUID", e))?;
         for i in 0..vcpus {
@@ -69,18 +68,17 @@ impl VmShell {
             let effective = fd
                 .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
                 .map_err(|e| VmError::KvmOp("read CPUID", e))?;
-            cpuids.push(crate::arch::cpuid::Preset {
+            let preset = crate::arch::cpuid::Preset {
                 given: c.as_slice().to_vec(),
                 effective: effective.as_slice().to_vec(),
-            });
-            vcpu_fds.push(fd);
+            };
+            vcpu_fds.push((fd, preset));
         }
         let msrs = state::msr_list(&kvm)?;
         Ok(VmShell {
             _kvm: kvm,
             caps,
             vcpu_fds,
-            cpuids,
             msrs,
             vm,
             reservation,

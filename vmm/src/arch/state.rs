@@ -146,11 +146,6 @@ pub fn restore_vcpu(
     s: &VcpuState,
     preset: Option<&super::cpuid::Preset>,
 ) -> Result<(), StateError> {
-    let cpuid = CpuId::from_entries(&s.cpuid).map_err(|_| StateError::TooMany {
-        vcpu,
-        n: s.cpuid.len(),
-        what: "CPUID entries",
-    })?;
     // A shell's vCPU that has the boot CPUID of this host needs no other
     // when the snapshot's is that one (as running, see
     // `cpuid::same_after_restore`): KVM brings the few bits it derives
@@ -158,6 +153,11 @@ pub fn restore_vcpu(
     if preset.is_some_and(|p| super::cpuid::same_after_restore(&p.effective, &s.cpuid)) {
         log::debug!("vCPU {vcpu}: the shell's CPUID is the snapshot's");
     } else {
+        let cpuid = CpuId::from_entries(&s.cpuid).map_err(|_| StateError::TooMany {
+            vcpu,
+            n: s.cpuid.len(),
+            what: "CPUID entries",
+        })?;
         fd.set_cpuid2(&cpuid)
             .map_err(vcpu_err("set CPUID of", vcpu))?;
     }
