@@ -8,8 +8,8 @@
 //! `lease` file, through its own open file description. The kernel drops a
 //! dead process's locks, so the count is never wrong.
 //!
-//! - The writer creates the lease file already locked (under a temporary
-//!   name, renamed into place), so a layer is never visible unleased.
+//! - The writer creates the lease file already locked in the layer's
+//!   directory before publishing it, so a layer is never visible unleased.
 //! - Anyone restoring a chain takes a lease on every fork layer in it
 //!   ([`lease_chain`]) before using it, and keeps them for as long as it may
 //!   build on that chain (its next diff) or hand it on (a fork of a fork).
@@ -64,6 +64,32 @@ impl LayerLease {
             dir: dir.to_path_buf(),
             file: Some(file),
         })
+    }
+
+    /// Opens (creating it if need be) and locks the lease file at `path`,
+    /// in the unpublished directory of a fork layer (see
+    /// `SnapshotWriter::unlisted_file`), so that the layer has its lease
+    /// from the moment it can be seen, without a rename ([`sweep`] leaves
+    /// an unpublished directory alone, so the moment between the create
+    /// and the lock is safe). Make the lease with [`LayerLease::published`]
+    /// once the directory is.
+    pub fn open_unpublished(path: &Path) -> io::Result<File> {
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        flock(&file, FlockOperation::LockShared)?;
+        Ok(file)
+    }
+
+    /// The lease held through `file` (from [`LayerLease::open_unpublished`])
+    /// on the fork layer published at `dir`.
+    pub fn published(dir: &Path, file: File) -> LayerLease {
+        LayerLease {
+            dir: dir.to_path_buf(),
+            file: Some(file),
+        }
     }
 
     /// Takes a lease on an existing fork layer; `Ok(None)` when `dir` is not
@@ -160,7 +186,13 @@ pub fn sweep(dir: &Path) -> io::Result<usize> {
         Err(e) => return Err(e),
     };
     for e in entries {
-        let p = e?.path();
+        let e = e?;
+        // A layer being written has its lease file, maybe not yet locked,
+        // before it is published.
+        if snapshot::format::is_unpublished(&e.file_name()) {
+            continue;
+        }
+        let p = e.path();
         if p.join(LEASE_FILE).is_file() && remove_if_unused(&p)? {
             n += 1;
         }
@@ -216,5 +248,28 @@ mod tests {
         drop(keep);
         assert!(!held.exists());
         assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_layer_is_leased_from_before_it_is_published_and_never_swept_unpublished() {
+        let root = tempfile::tempdir().unwrap();
+        // Being written: its lease file is there, not yet locked.
+        let writing = layer(root.path(), "l2.tmp-0123456789abcdef");
+        std::fs::write(writing.join(LEASE_FILE), b"").unwrap();
+        assert_eq!(sweep(root.path()).unwrap(), 0);
+        assert!(writing.exists(), "a layer being written was swept");
+        // Leased in its temporary directory (the file there already, or
+        // not), then published by a rename.
+        let file = LayerLease::open_unpublished(&writing.join(LEASE_FILE)).unwrap();
+        let fin = root.path().join("l2");
+        std::fs::rename(&writing, &fin).unwrap();
+        let mine = LayerLease::published(&fin, file);
+        assert_eq!(mine.dir(), fin);
+        assert_eq!(sweep(root.path()).unwrap(), 0, "a held layer was swept");
+        let other = LayerLease::acquire(&fin).unwrap().expect("a fork layer");
+        drop(mine);
+        assert!(fin.exists());
+        drop(other);
+        assert!(!fin.exists(), "the last lease did not remove it");
     }
 }

@@ -20,7 +20,7 @@ use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::state;
 use crate::event_loop::ParkTimeout;
-use crate::lease::LeaseError;
+use crate::lease::{LayerLease, LeaseError};
 use crate::lineage::LineageError;
 use crate::memory::{self, Backing, GuestRam};
 use crate::options::SnapshotKind;
@@ -42,11 +42,12 @@ const MEMORY_LAYER: &str = "memory";
 /// while paused.
 pub const STAGE_LIMIT: u64 = 256 << 20;
 
-/// A snapshot captured while the VM was paused: written already, or staged
-/// (its state blob written, its layers copied to memory) for
-/// [`Captured::finish`] to write once the VM runs again.
+/// A snapshot captured while the VM was paused: its files written, or staged
+/// (its state blob written, its layers copied to memory); either way
+/// [`Captured::finish`] publishes it once the VM runs again (fsyncs,
+/// manifest, seal, rename).
 enum Captured {
-    Written(Snapshot),
+    Written(SnapshotWriter),
     Staged {
         w: SnapshotWriter,
         ram: StagedPages,
@@ -65,9 +66,12 @@ impl Captured {
         }
     }
 
-    fn finish(self) -> Result<Snapshot, SnapshotError> {
-        match self {
-            Self::Written(s) => Ok(s),
+    /// Writes what is staged and publishes the snapshot, sealed. A fork
+    /// layer's lease file is created and locked in it before it is
+    /// published, so a fork layer is never seen without one.
+    fn finish(self, fork_layer: bool) -> Result<(Snapshot, Option<LayerLease>), SnapshotError> {
+        let mut w = match self {
+            Self::Written(w) => w,
             Self::Staged {
                 mut w,
                 ram,
@@ -81,9 +85,26 @@ impl Captured {
                     l.write(&data, &map)
                         .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })?;
                 }
-                Ok(w.commit()?)
+                w
             }
-        }
+        };
+        // Verified once, as written: the checksums are of the bytes this
+        // process wrote, so restores in other processes (fork children, a
+        // fresh worker) check the seal's file versions instead of hashing
+        // the data again. A file changed afterwards has another version and
+        // is hashed in full.
+        w.set_seal(true);
+        let lease = if fork_layer {
+            let path = w.unlisted_file(crate::lease::LEASE_FILE)?;
+            let held = LayerLease::open_unpublished(&path)
+                .map_err(|e| LeaseError::Io(w.tmp_dir().to_path_buf(), e))?;
+            Some(held)
+        } else {
+            None
+        };
+        let snap = w.commit()?;
+        let lease = lease.map(|file| LayerLease::published(snap.dir(), file));
+        Ok((snap, lease))
     }
 }
 
@@ -278,26 +299,9 @@ impl Vm {
         self.last_pause = paused_at.elapsed();
         let staged = res.as_ref().map_or(0, Captured::staged_bytes);
         self.last_staged = 0;
-        // A staged diff is written and fsynced now, with the guest running.
-        let res = resumed.and(res).and_then(Captured::finish).and_then(|s| {
-            // Verified once, as written: the checksums are of the bytes this
-            // process wrote, so restores in other processes (fork children,
-            // a fresh worker) check the seal's file versions instead of
-            // hashing the data again. A file changed afterwards has another
-            // version and is hashed in full.
-            if let Err(e) = snapshot::format::seal::seal_written(&s) {
-                log::warn!(
-                    "snapshot {} not sealed (its next restore hashes it): {e}",
-                    s.dir().display()
-                );
-            }
-            let lease = if fork_layer {
-                Some(crate::lease::LayerLease::create(s.dir())?)
-            } else {
-                None
-            };
-            Ok((s, lease))
-        });
+        // Published now, with the guest running (a staged diff written
+        // first): the layers' files hold copies made while it was paused.
+        let res = resumed.and(res).and_then(|c| c.finish(fork_layer));
         match res {
             Ok((s, lease)) => {
                 self.lineage.wrote(s, kind, lease);
@@ -432,16 +436,20 @@ impl Vm {
             SnapshotKind::Full => LayerKind::Full,
             SnapshotKind::Diff => LayerKind::Diff,
         };
+        // Unsynced: a durable snapshot's files are fsynced when it is
+        // published, after the VM runs again; a fork layer's never are.
         for (i, l) in layered {
             let (data, map) = disk_layer_files(&mut w, *i)?;
-            l.write_layer(&data, &map, disk_kind)
+            l.write_layer_unsynced(&data, &map, disk_kind)
                 .map_err(|source| SnapshotError::DiskLayer { disk: *i, source })?;
         }
-        let snap = w.commit()?;
+        // Later writes count toward the next layer. Should publishing this
+        // one fail, the dirty log is lost (`dirty_taken`): nothing builds on
+        // the parent.
         for (_, l) in layered {
             l.mark_clean();
         }
-        Ok(Captured::Written(snap))
+        Ok(Captured::Written(w))
     }
 
     /// With the uffd backend, stores the pages the guest touched in its first

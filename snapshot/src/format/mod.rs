@@ -27,7 +27,7 @@ pub use manifest::{
     DiskLayerEntry, FileEntry, KernelIdentity, Manifest, MemoryLayerEntry, MemoryLayerKind,
     ParentRef, Shape, SnapshotId, FORMAT_VERSION,
 };
-pub use writer::SnapshotWriter;
+pub use writer::{is_unpublished, SnapshotWriter};
 
 pub(crate) use digest::{data_extents, digest_bytes, is_zero, SparseHasher};
 pub(crate) use manifest::random_u128;

@@ -21,6 +21,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use super::digest::Checksum;
+use super::manifest::Manifest;
 use super::verify::{file_version, is_verified, FileVersion};
 use super::{Snapshot, SnapshotError};
 
@@ -58,7 +59,48 @@ fn seal_with(
     include: impl Fn(&FileVersion, Checksum) -> bool,
 ) -> Result<usize, SnapshotError> {
     let dir = snap.dir();
-    let m = snap.manifest();
+    let (text, n) = lines(dir, snap.manifest(), include)?;
+    let tmp = dir.join(format!("{SEAL_FILE}.tmp"));
+    let path = dir.join(SEAL_FILE);
+    let write = || -> std::io::Result<()> {
+        let f = create(&tmp, &text)?;
+        if durable {
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &path)?;
+        if durable {
+            File::open(dir)?.sync_all()?;
+        }
+        Ok(())
+    };
+    write().map_err(|err| {
+        let _ = std::fs::remove_file(&tmp);
+        SnapshotError::io("write", &path, err)
+    })?;
+    Ok(n)
+}
+
+/// Writes the seal of a snapshot that [`super::SnapshotWriter`] is about to
+/// publish, into its still unpublished directory `dir`: under its own name
+/// (nobody reads the directory before the rename that publishes it, and a
+/// writer killed before that leaves a directory that never loads), and
+/// unsynced (the directory's fsync before publishing, if any, covers it).
+/// What [`seal_written`] does after publishing, one create and one rename
+/// cheaper.
+pub(super) fn seal_unpublished(dir: &Path, m: &Manifest) -> Result<usize, SnapshotError> {
+    let (text, n) = lines(dir, m, |_, _| true)?;
+    let path = dir.join(SEAL_FILE);
+    create(&path, &text).map_err(|err| SnapshotError::io("write", &path, err))?;
+    Ok(n)
+}
+
+/// The seal's lines for `m`'s listed data files in `dir` that `include`
+/// takes, and how many there are.
+fn lines(
+    dir: &Path,
+    m: &Manifest,
+    include: impl Fn(&FileVersion, Checksum) -> bool,
+) -> Result<(String, usize), SnapshotError> {
     let entries = m
         .memory_layers
         .iter()
@@ -83,31 +125,21 @@ fn seal_with(
         ));
         n += 1;
     }
-    let tmp = dir.join(format!("{SEAL_FILE}.tmp"));
-    let path = dir.join(SEAL_FILE);
-    let write = || -> std::io::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .mode(0o644)
-            .open(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        if durable {
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, &path)?;
-        if durable {
-            File::open(dir)?.sync_all()?;
-        }
-        Ok(())
-    };
-    write().map_err(|err| {
-        let _ = std::fs::remove_file(&tmp);
-        SnapshotError::io("write", &path, err)
-    })?;
-    Ok(n)
+    Ok((text, n))
+}
+
+/// Creates (or truncates) `path` with `text`, mode 0644 (a seal writable by
+/// others is not trusted).
+fn create(path: &Path, text: &str) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o644)
+        .open(path)?;
+    f.write_all(text.as_bytes())?;
+    Ok(f)
 }
 
 /// The trusted lines of `dir`'s seal: file name -> (version, checksum).

@@ -592,6 +592,47 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_its_writer_seals_before_publishing_loads_unhashed_until_it_changes() {
+        use crate::format::is_unpublished;
+        use crate::layers::write_full_layer;
+        let dir = tempfile::tempdir().unwrap();
+        let mut ram = vec![0u8; 64 * crate::PAGE_SIZE];
+        crate::testutil::fill(&mut ram, 7, 3);
+        for durable in [false, true] {
+            let d = dir.path().join(format!("s-{durable}"));
+            let k = crate::testutil::kernel(dir.path());
+            let mut w = SnapshotWriter::new(&d, crate::testutil::shape(ram.len()), k).unwrap();
+            assert!(is_unpublished(w.tmp_dir().file_name().unwrap()));
+            w.set_fsync(durable);
+            w.set_seal(true);
+            w.write_state(b"sealed as written").unwrap();
+            write_full_layer(&mut w, "mem", &ram).unwrap();
+            // An unlisted file (a lease) is published with it.
+            let lease = w.unlisted_file("lease").unwrap();
+            std::fs::write(&lease, b"x").unwrap();
+            assert!(matches!(
+                w.unlisted_file("lease"),
+                Err(SnapshotError::DuplicateName(_))
+            ));
+            assert!(w.unlisted_file(".sealed").is_err(), "a dot name");
+            let s = w.commit().unwrap();
+            assert_eq!(std::fs::read(d.join("lease")).unwrap(), b"x");
+            let layer = s.manifest().memory_layers[0].data.name.clone();
+            assert!(crate::format::seal::sealed(&d).contains_key(&layer));
+            // As a new process: the seal is used, nothing is hashed.
+            forget_verified();
+            let before = HASHED.with(|h| h.get());
+            assert!(Snapshot::load(&d).is_ok());
+            assert_eq!(HASHED.with(|h| h.get()), before, "nothing hashed");
+            changed_in_place_is_refused(&d, &layer, 7 * crate::PAGE_SIZE as u64 + 3);
+        }
+        // Nothing temporary is left.
+        assert!(std::fs::read_dir(dir.path())
+            .unwrap()
+            .all(|e| !is_unpublished(&e.unwrap().file_name())));
+    }
+
+    #[test]
     fn a_sealed_snapshot_loads_unhashed_in_a_new_process_and_a_change_after_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let (s, layer) = sealable(dir.path(), 5);

@@ -26,6 +26,19 @@ use super::{
 };
 use crate::PAGE_SIZE;
 
+/// What a writer's temporary directory has in its name: `<final>.tmp-<16 hex>`.
+const TMP_MARK: &str = ".tmp-";
+
+/// Whether `name` is that of a [`SnapshotWriter`]'s temporary directory,
+/// which is still being written (or was left by a killed writer): nothing
+/// in it is a snapshot yet.
+pub fn is_unpublished(name: &std::ffi::OsStr) -> bool {
+    let name = name.as_encoded_bytes();
+    name.len() > TMP_MARK.len() + 16
+        && name[name.len() - 16..].iter().all(u8::is_ascii_hexdigit)
+        && name[..name.len() - 16].ends_with(TMP_MARK.as_bytes())
+}
+
 /// Writes one snapshot directory. Dropping it uncommitted removes the
 /// temporary directory.
 pub struct SnapshotWriter {
@@ -33,6 +46,7 @@ pub struct SnapshotWriter {
     tmp_dir: PathBuf,
     committed: bool,
     fsync: bool,
+    seal: bool,
     id: SnapshotId,
     shape: Shape,
     kernel: KernelIdentity,
@@ -73,7 +87,7 @@ impl SnapshotWriter {
             return Err(SnapshotError::Exists(final_dir.to_path_buf()));
         }
         let mut tmp_name = name.to_os_string();
-        tmp_name.push(format!(".tmp-{:016x}", random_u128() as u64));
+        tmp_name.push(format!("{TMP_MARK}{:016x}", random_u128() as u64));
         let tmp_dir = parent.join(tmp_name);
         fs::create_dir(&tmp_dir).map_err(|e| SnapshotError::io("create", &tmp_dir, e))?;
         Ok(SnapshotWriter {
@@ -81,6 +95,7 @@ impl SnapshotWriter {
             tmp_dir,
             committed: false,
             fsync: true,
+            seal: false,
             id: SnapshotId::random(),
             shape,
             kernel,
@@ -112,6 +127,17 @@ impl SnapshotWriter {
     /// loss or kernel crash.
     pub fn set_fsync(&mut self, fsync: bool) {
         self.fsync = fsync;
+    }
+
+    /// Whether [`SnapshotWriter::commit`] seals the snapshot (default: no):
+    /// records that its files are the ones this process wrote, so a restore
+    /// in another process checks their versions instead of hashing them
+    /// (see [`super::seal::seal_written`], which does the same after
+    /// publishing). The seal is written into the directory before it is
+    /// published, unsynced: the directory's fsync covers its name, and a
+    /// seal lost to a crash costs only a hash.
+    pub fn set_seal(&mut self, seal: bool) {
+        self.seal = seal;
     }
 
     /// Records `parent` as the snapshot this one builds on (its shape must
@@ -179,6 +205,15 @@ impl SnapshotWriter {
             return Err(SnapshotError::DuplicateName(name.into()));
         }
         Ok(self.tmp_dir.join(name))
+    }
+
+    /// Reserves `name` for a file the snapshot's directory has beside its
+    /// listed ones (a fork layer's lease) and returns its path, for the
+    /// caller to create: it is there from the moment the snapshot can be
+    /// seen, without a rename of its own. The manifest does not list it; it
+    /// is fsynced with the rest.
+    pub fn unlisted_file(&mut self, name: &str) -> Result<PathBuf, SnapshotError> {
+        self.reserve(name)
     }
 
     /// Creates a new file for a memory layer (used by `layers`).
@@ -253,6 +288,9 @@ impl SnapshotWriter {
         mfile
             .write_all(&bytes)
             .map_err(|e| SnapshotError::io("write", &mpath, e))?;
+        if self.seal {
+            super::seal::seal_unpublished(&self.tmp_dir, &manifest)?;
+        }
         if self.fsync {
             mfile
                 .sync_all()
@@ -364,6 +402,26 @@ mod tests {
         assert_eq!(layer.files[0].size, 1 << 30);
         assert_eq!(fs::read(s.extra_file("notes").unwrap()).unwrap(), b"extra");
         assert!(s.manifest().parent.is_none());
+    }
+
+    #[test]
+    fn a_temporary_directory_is_known_by_its_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = SnapshotWriter::new(&dir.path().join("layer-1"), shape(4096), kernel(dir.path()))
+            .unwrap();
+        assert!(is_unpublished(w.tmp_dir().file_name().unwrap()));
+        for name in [
+            "layer-1",
+            "a.tmp-",
+            "a.tmp-0123",
+            "a.tmp-0123456789abcdeg",
+            ".tmp-",
+        ] {
+            assert!(!is_unpublished(std::ffi::OsStr::new(name)), "{name}");
+        }
+        assert!(is_unpublished(std::ffi::OsStr::new(
+            "x.tmp-0123456789abcdef"
+        )));
     }
 
     #[test]

@@ -78,15 +78,22 @@ fn encode(map: &Bitmap, disk_size: u64) -> Vec<u8> {
 }
 
 /// Writes the map of a disk of `disk_size` bytes to a new file at `path` (which must not
-/// exist) and syncs it; removes the file again if that fails. Returns the bytes written.
-pub(super) fn write(path: &Path, map: &Bitmap, disk_size: u64) -> Result<u64, MapError> {
+/// exist) and syncs it if `sync`; removes the file again if that fails. Returns the bytes
+/// written.
+pub(super) fn write(
+    path: &Path,
+    map: &Bitmap,
+    disk_size: u64,
+    sync: bool,
+) -> Result<u64, MapError> {
     let bytes = encode(map, disk_size);
     let mut f = File::options()
         .write(true)
         .create_new(true)
         .open(path)
         .map_err(MapError::Io)?;
-    if let Err(e) = f.write_all(&bytes).and_then(|()| f.sync_all()) {
+    let synced = |f: &File| if sync { f.sync_all() } else { Ok(()) };
+    if let Err(e) = f.write_all(&bytes).and_then(|()| synced(&f)) {
         let _ = std::fs::remove_file(path);
         return Err(MapError::Io(e));
     }

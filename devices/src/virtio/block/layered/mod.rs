@@ -397,6 +397,28 @@ impl LayeredDisk {
         out_map: &Path,
         kind: LayerKind,
     ) -> Result<LayerStats, LayeredError> {
+        self.write_layer_with(out_data, out_map, kind, true)
+    }
+
+    /// [`LayeredDisk::write_layer`] without the syncs: for a layer that is not kept
+    /// past its process's users (a fork layer), which a crash may lose whole. An
+    /// fsync here is a journal commit, a millisecond or more on a real disk.
+    pub fn write_layer_unsynced(
+        &self,
+        out_data: &Path,
+        out_map: &Path,
+        kind: LayerKind,
+    ) -> Result<LayerStats, LayeredError> {
+        self.write_layer_with(out_data, out_map, kind, false)
+    }
+
+    fn write_layer_with(
+        &self,
+        out_data: &Path,
+        out_map: &Path,
+        kind: LayerKind,
+        sync: bool,
+    ) -> Result<LayerStats, LayeredError> {
         if out_map.symlink_metadata().is_ok() {
             return Err(LayeredError::Exists(out_map.to_owned()));
         }
@@ -415,7 +437,7 @@ impl LayeredDisk {
             LayerKind::Diff => inner.top.dirty.clone(),
         };
         let out = create_new(out_data)?;
-        let result = self.write_layer_files(&mut inner, &map, &out, out_data, out_map);
+        let result = self.write_layer_files(&mut inner, &map, &out, out_data, out_map, sync);
         if result.is_err() {
             let _ = std::fs::remove_file(out_data);
         }
@@ -429,6 +451,7 @@ impl LayeredDisk {
         out: &File,
         out_data: &Path,
         out_map: &Path,
+        sync: bool,
     ) -> Result<LayerStats, LayeredError> {
         let werr = |source| LayeredError::Write {
             path: out_data.to_owned(),
@@ -461,8 +484,10 @@ impl LayeredDisk {
         }
         inner.scratch = scratch;
         result?;
-        out.sync_all().map_err(werr)?;
-        let map_bytes = write_map(out_map, map, self.size)?;
+        if sync {
+            out.sync_all().map_err(werr)?;
+        }
+        let map_bytes = write_map(out_map, map, self.size, sync)?;
         Ok(LayerStats {
             clusters: map.count(),
             data_bytes,
@@ -540,7 +565,7 @@ impl StagedLayer {
                 data_bytes += write_nonzero(&out, buf, *off).map_err(werr)?;
             }
             out.sync_all().map_err(werr)?;
-            let map_bytes = write_map(out_map, &self.map, self.size)?;
+            let map_bytes = write_map(out_map, &self.map, self.size, true)?;
             Ok(LayerStats {
                 clusters: self.map.count(),
                 data_bytes,
@@ -554,9 +579,9 @@ impl StagedLayer {
     }
 }
 
-/// Writes (and syncs) the cluster map of a layer.
-fn write_map(out_map: &Path, map: &Bitmap, size: u64) -> Result<u64, LayeredError> {
-    mapfile::write(out_map, map, size).map_err(|e| match e {
+/// Writes the cluster map of a layer (and syncs it if `sync`).
+fn write_map(out_map: &Path, map: &Bitmap, size: u64, sync: bool) -> Result<u64, LayeredError> {
+    mapfile::write(out_map, map, size, sync).map_err(|e| match e {
         MapError::Io(source) if source.kind() == io::ErrorKind::AlreadyExists => {
             LayeredError::Exists(out_map.to_owned())
         }

@@ -558,3 +558,45 @@ fn a_kept_top_over_a_template_reads_through_and_reopens_as_the_same_disk() {
         Err(LayeredError::LayerSize { .. })
     ));
 }
+
+#[test]
+fn an_unsynced_layer_is_the_same_layer_as_a_synced_one() {
+    let dir = Dir::new();
+    let size = 6 * CS as u64;
+    let base: Vec<u8> = (0..size).map(|i| (i % 241) as u8).collect();
+    let base_files = dir.raw(&base);
+    let d = dir.disk(vec![base_files.clone()], size);
+    write(&d, &[0x5e; 700], CLUSTER_SIZE + 30);
+    write(&d, &[0x17; CS], 4 * CLUSTER_SIZE);
+    let want = read_all(&d);
+    for kind in [LayerKind::Diff, LayerKind::Full] {
+        let (synced, s1) = dir.layer(&d, kind);
+        let unsynced = LayerFiles::mapped(dir.path("data"), dir.path("map"));
+        let map = unsynced.map.as_ref().unwrap();
+        let s2 = d.write_layer_unsynced(&unsynced.data, map, kind).unwrap();
+        assert_eq!((s1.clusters, s1.data_bytes), (s2.clusters, s2.data_bytes));
+        let read = |p: &Path| std::fs::read(p).unwrap();
+        assert!(read(&synced.data) == read(&unsynced.data), "{kind:?} data");
+        assert_eq!(
+            read(synced.map.as_ref().unwrap()),
+            read(map),
+            "{kind:?} map"
+        );
+        let layers = match kind {
+            LayerKind::Diff => vec![base_files.clone(), unsynced],
+            LayerKind::Full => vec![unsynced],
+        };
+        assert!(
+            read_all(&dir.disk(layers, size)) == want,
+            "{kind:?} reopened"
+        );
+    }
+    // Refused like a synced one onto an existing map.
+    let (taken, _) = dir.layer(&d, LayerKind::Diff);
+    let fresh = dir.path("data");
+    assert!(matches!(
+        d.write_layer_unsynced(&fresh, taken.map.as_ref().unwrap(), LayerKind::Diff),
+        Err(LayeredError::Exists(_))
+    ));
+    assert!(!fresh.exists(), "a refused layer left its data file");
+}
