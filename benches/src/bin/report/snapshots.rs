@@ -98,11 +98,13 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     row("resume", resume);
 
     let (mut full, mut diff, mut window) = (Vec::new(), Vec::new(), Vec::new());
+    let mut full_window = Vec::new();
     for i in 0..runs {
         let p = dir.0.join(format!("full{i}"));
         let t = Instant::now();
         vm.snapshot(&p, SnapshotKind::Full)?;
         full.push(t.elapsed());
+        full_window.push(vm.last_pause());
         // 16 MiB dirtied by the guest, then a diff.
         echo(
             &vm,
@@ -122,6 +124,10 @@ pub fn run(runs: usize) -> anyhow::Result<()> {
     row(
         "full snapshot, 512 MiB guest with ~10 MiB touched (fsync'd)",
         full,
+    );
+    row(
+        "full snapshot: pause window (files written, fsynced and published after)",
+        full_window,
     );
     row(
         "diff snapshot, 16 MiB dirty: call to durable (fsync'd)",
