@@ -48,22 +48,13 @@ pub struct LayerLease {
 
 impl LayerLease {
     /// Creates the lease file of a freshly written layer in `dir`, held by
-    /// the caller.
-    pub fn create(dir: &Path) -> Result<LayerLease, LeaseError> {
-        let io_err = |e| LeaseError::Io(dir.to_path_buf(), e);
-        let tmp = dir.join(format!(".{LEASE_FILE}.tmp"));
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .write(true)
-            .open(&tmp)
-            .map_err(io_err)?;
-        flock(&file, FlockOperation::LockShared).map_err(|e| io_err(e.into()))?;
-        std::fs::rename(&tmp, dir.join(LEASE_FILE)).map_err(io_err)?;
-        Ok(LayerLease {
-            dir: dir.to_path_buf(),
-            file: Some(file),
-        })
+    /// the caller (tests: a writer creates it before publishing, see
+    /// [`LayerLease::open_unpublished`]).
+    #[cfg(test)]
+    pub(crate) fn create(dir: &Path) -> Result<LayerLease, LeaseError> {
+        let file = Self::open_unpublished(&dir.join(LEASE_FILE))
+            .map_err(|e| LeaseError::Io(dir.to_path_buf(), e))?;
+        Ok(Self::published(dir, file))
     }
 
     /// Opens (creating it if need be) and locks the lease file at `path`,

@@ -96,9 +96,10 @@ impl Captured {
         w.set_seal(true);
         let lease = if fork_layer {
             let path = w.unlisted_file(crate::lease::LEASE_FILE)?;
-            let held = LayerLease::open_unpublished(&path)
-                .map_err(|e| LeaseError::Io(w.tmp_dir().to_path_buf(), e))?;
-            Some(held)
+            Some(
+                LayerLease::open_unpublished(&path)
+                    .map_err(|e| LeaseError::Io(w.tmp_dir().to_path_buf(), e))?,
+            )
         } else {
             None
         };

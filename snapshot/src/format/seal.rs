@@ -38,21 +38,6 @@ pub fn seal(snap: &Snapshot) -> Result<usize, SnapshotError> {
     seal_with(snap, true, is_verified)
 }
 
-/// Writes the seal of `snap`, which this process has just written (its
-/// checksums are of the bytes it wrote), without reading it back: every
-/// listed file at its current version. For the writer's own output: a
-/// fork layer that child processes load next, a snapshot that a fresh
-/// worker restores (they trust the writer's data either way). Unsynced: it
-/// is written after the data it names (synced first for a durable
-/// snapshot), so a seal that survives a crash names file versions that
-/// survived too, and a lost one costs only a hash. A file changed after this changes its
-/// ctime (on kernels with fine-grained timestamps, those since 6.13, even
-/// within the same clock tick: this call's `fstat` asks for them), and is
-/// verified again.
-pub fn seal_written(snap: &Snapshot) -> Result<usize, SnapshotError> {
-    seal_with(snap, false, |_, _| true)
-}
-
 fn seal_with(
     snap: &Snapshot,
     durable: bool,
@@ -80,13 +65,20 @@ fn seal_with(
     Ok(n)
 }
 
-/// Writes the seal of a snapshot that [`super::SnapshotWriter`] is about to
-/// publish, into its still unpublished directory `dir`: under its own name
-/// (nobody reads the directory before the rename that publishes it, and a
-/// writer killed before that leaves a directory that never loads), and
-/// unsynced (the directory's fsync before publishing, if any, covers it).
-/// What [`seal_written`] does after publishing, one create and one rename
-/// cheaper.
+/// Writes the seal of a snapshot that [`super::SnapshotWriter`] wrote and
+/// is about to publish, without reading it back: every listed file at its
+/// current version, with the checksums of the bytes the writer wrote (a
+/// fork layer that child processes load next, a snapshot a fresh worker
+/// restores: they trust the writer's data either way). Into the still
+/// unpublished directory `dir`, under its own name (nobody reads the
+/// directory before the rename that publishes it, and a writer killed
+/// before that leaves a directory that never loads), and unsynced: it is
+/// written after the data it names (synced first for a durable snapshot,
+/// whose directory fsync covers the seal's name), so a seal that survives
+/// a crash names file versions that survived too, and a lost or torn one
+/// costs only a hash. A file changed after this changes its ctime (on
+/// kernels with fine-grained timestamps, those since 6.13, even within the
+/// same clock tick: the `fstat` here asks for them), and is verified again.
 pub(super) fn seal_unpublished(dir: &Path, m: &Manifest) -> Result<usize, SnapshotError> {
     let (text, n) = lines(dir, m, |_, _| true)?;
     let path = dir.join(SEAL_FILE);

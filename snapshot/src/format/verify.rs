@@ -575,23 +575,6 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_sealed_by_its_writer_loads_unhashed_elsewhere_until_it_changes() {
-        let dir = tempfile::tempdir().unwrap();
-        let (s, layer) = sealable(dir.path(), 3);
-        let d = s.dir().to_path_buf();
-        // Not verified by this process: sealed as written.
-        forget_verified();
-        let n = crate::format::seal::seal_written(&s).unwrap();
-        assert!(n >= 1);
-        assert!(crate::format::seal::sealed(&d).contains_key(&layer));
-        forget_verified();
-        let before = HASHED.with(|h| h.get());
-        assert!(Snapshot::load(&d).is_ok());
-        assert_eq!(HASHED.with(|h| h.get()), before, "nothing hashed");
-        changed_in_place_is_refused(&d, &layer, 3 * crate::PAGE_SIZE as u64 + 7);
-    }
-
-    #[test]
     fn a_snapshot_its_writer_seals_before_publishing_loads_unhashed_until_it_changes() {
         use crate::format::is_unpublished;
         use crate::layers::write_full_layer;

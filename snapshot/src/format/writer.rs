@@ -131,11 +131,10 @@ impl SnapshotWriter {
 
     /// Whether [`SnapshotWriter::commit`] seals the snapshot (default: no):
     /// records that its files are the ones this process wrote, so a restore
-    /// in another process checks their versions instead of hashing them
-    /// (see [`super::seal::seal_written`], which does the same after
-    /// publishing). The seal is written into the directory before it is
-    /// published, unsynced: the directory's fsync covers its name, and a
-    /// seal lost to a crash costs only a hash.
+    /// in another process checks their versions instead of hashing them.
+    /// The seal is written into the directory before it is published,
+    /// unsynced: the directory's fsync covers its name, and a seal lost to
+    /// a crash costs only a hash.
     pub fn set_seal(&mut self, seal: bool) {
         self.seal = seal;
     }
