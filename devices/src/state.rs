@@ -33,8 +33,9 @@ pub mod versions {
     pub const RNG: u16 = 1;
     /// [`NetState`](crate::virtio::net::NetState).
     pub const NET: u16 = 1;
-    /// The VMM's `VmState` blob (a snapshot's `state.bin`).
-    pub const VM: u32 = 2;
+    /// The VMM's `VmState` blob (a snapshot's `state.bin`). 3: the images of
+    /// read-only disks (the VMM still reads 2).
+    pub const VM: u32 = 3;
 }
 
 /// How a device is saved and restored.

@@ -190,6 +190,9 @@ fn state_blob() {
     let dir = corpus("state_blob");
     let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/state.bin");
     let golden = fs::read(golden).unwrap();
+    // The version 2 blob this build still reads.
+    let v2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/state-v2.bin");
+    fs::write(dir.join("golden-v2"), fs::read(v2).unwrap()).unwrap();
     // The golden blob: one vCPU, virtio-blk, vsock and rng.
     fs::write(dir.join("golden"), &golden).unwrap();
     let mut st = VmState::decode(&golden).unwrap();

@@ -428,6 +428,70 @@ fn a_snapshot_is_sealed_as_written_and_a_change_after_is_refused() {
     );
 }
 
+/// A snapshot records which version of each read-only image the guest saw;
+/// a restore over the same bytes (even another file's) works, over an image
+/// that was rebuilt or changed since is refused, naming it, before the guest
+/// runs with another file system under its page cache.
+#[test]
+fn a_restore_over_a_changed_read_only_image_is_refused() {
+    let dir = TempDir::new("snap-image");
+    let image = dir.path().join("image.img");
+    let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
+    std::fs::write(&image, &bytes).unwrap();
+    let (mut cfg, console) = config(1, 128);
+    cfg.disks = vec![DiskConfig {
+        path: image.clone(),
+        read_only: true,
+        id: "image".into(),
+        base: None,
+    }];
+    let mut vm = boot(cfg, &console);
+    let buf = TESTGUEST_SCRATCH;
+    let sector = |vm: &Vm| {
+        call(vm, 0, mb::CMD_BLK_READ, [0, 9, buf, 1]);
+        let mut got = vec![0u8; 512];
+        vm.memory().read_slice(&mut got, GuestAddress(buf)).unwrap();
+        got
+    };
+    assert_eq!(sector(&vm), bytes[9 * 512..10 * 512]);
+    let snap = dir.path().join("snap");
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    // Replaced by a copy of the same bytes (another inode): the same image.
+    let put = |b: &[u8]| {
+        let tmp = dir.path().join("image.tmp");
+        std::fs::write(&tmp, b).unwrap();
+        std::fs::rename(&tmp, &image).unwrap();
+    };
+    put(&bytes);
+    let r = Vm::restore(&snap, opts(MemoryBackend::Mmap, &dir, "same")).unwrap();
+    assert_eq!(sector(&r), bytes[9 * 512..10 * 512]);
+    drop(r);
+    // Rebuilt: one byte of its head differs (as an ext4 superblock's UUID
+    // would), or its size.
+    let mut rebuilt = bytes.clone();
+    rebuilt[1024 + 0x68] ^= 1;
+    let mut grown = bytes.clone();
+    grown.extend_from_slice(&[0; 512]);
+    for (what, b) in [("rebuilt", &rebuilt), ("grown", &grown)] {
+        put(b);
+        let e = match Vm::restore(&snap, opts(MemoryBackend::Uffd, &dir, what)) {
+            Ok(_) => panic!("{what}: restored over another image"),
+            Err(e) => e,
+        };
+        assert_eq!(e.code(), "image_changed", "{what}: {e}");
+        let msg = anyhow_chain(&e);
+        assert!(
+            msg.contains(&image.display().to_string()) && msg.contains("rebuilt or changed"),
+            "{what}: {msg}"
+        );
+    }
+    // The image it was taken over, back: it restores again.
+    put(&bytes);
+    let r = Vm::restore(&snap, opts(MemoryBackend::Mmap, &dir, "back")).unwrap();
+    assert_eq!(sector(&r), bytes[9 * 512..10 * 512]);
+}
+
 fn anyhow_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();

@@ -29,7 +29,7 @@ use crate::vcpu::VcpuError;
 use crate::vm::{Vm, VmError};
 use crate::vm_devices::VirtioDev;
 use crate::vm_state::{
-    disk_layer_name, DevState, StateBlobError, VirtioSlot, VmState, STATE_VERSION,
+    disk_layer_name, DevState, DiskImage, StateBlobError, VirtioSlot, VmState, STATE_VERSION,
 };
 
 /// Name of the memory layer inside each snapshot directory.
@@ -344,6 +344,7 @@ impl Vm {
         let mut virtio = Vec::with_capacity(self.devices.virtio.len());
         let mut disk = 0usize;
         let mut layered = Vec::new();
+        let mut images = Vec::new();
         for h in &self.devices.virtio {
             let transport = lock(&h.transport).save();
             let dev = match &h.dev {
@@ -351,6 +352,9 @@ impl Vm {
                     let b = lock(b);
                     if let Some(l) = b.layered_disk() {
                         layered.push((disk, l.clone()));
+                    }
+                    if let Some(identity) = b.image_identity() {
+                        images.push(DiskImage { disk, identity });
                     }
                     disk += 1;
                     DevState::Block {
@@ -374,6 +378,7 @@ impl Vm {
             i8042: lock(&self.devices.i8042).save(),
             virtio,
             mailbox_ready: self.mailbox.as_ref().map_or(0, |m| m.ready_mask()),
+            images,
         };
         w.write_state(&state.encode()?)?;
 

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use devices::bus::lock;
 use devices::legacy::{Serial, SerialRestoreArgs, I8042};
 use devices::state::Persist;
-use devices::virtio::block::{Block, BlockDisk, BlockRestoreArgs, LayerFiles, LayeredDisk};
+use devices::virtio::block::{
+    Block, BlockDisk, BlockRestoreArgs, FileDisk, LayerFiles, LayeredDisk,
+};
 use devices::virtio::mmio::{MmioRestoreArgs, MmioTransport};
 use devices::virtio::net::{Net, NetRestoreArgs, Tap};
 use devices::virtio::rng::Rng;
@@ -76,6 +78,24 @@ pub enum RestoreError {
         disk: usize,
         disks: usize,
     },
+    #[error(
+        "Disk {disk}'s image {} is not the one the snapshot was taken over (then: {recorded}; \
+         now: {found}): it was rebuilt or changed since, and the guest's memory holds the \
+         old one's file system state. Restore it over the image it was taken over",
+        path.display()
+    )]
+    ImageChanged {
+        disk: usize,
+        path: std::path::PathBuf,
+        recorded: devices::virtio::block::ImageIdentity,
+        found: devices::virtio::block::ImageIdentity,
+    },
+    #[error("Cannot open disk {disk}'s image")]
+    Image {
+        disk: usize,
+        #[source]
+        source: devices::virtio::block::BlockError,
+    },
     #[error("The snapshot has a vsock device: give the restored VM a vsock socket path")]
     NeedVsockPath,
     #[error("The snapshot has a network device: give the restored VM a TAP and a MAC")]
@@ -123,10 +143,12 @@ impl RestoreError {
             | Self::EmptyChain
             | Self::State(_)
             | Self::NoSuchDisk { .. }
+            | Self::Image { .. }
             | Self::Device(_)
             | Self::Attach(AttachError::Restore(..))
             | Self::WorkingSet(_) => "bad_snapshot",
             Self::Lease(LeaseError::Gone(_)) => "layer_gone",
+            Self::ImageChanged { .. } => "image_changed",
             Self::ShapeMismatch { .. } | Self::ShellMismatch { .. } => "shape_mismatch",
             Self::NeedVsockPath | Self::NeedNet => "bad_request",
             Self::NoPit | Self::Arch(_) => "kvm",
@@ -432,7 +454,26 @@ impl RestoreDevices<'_> {
                 disks: self.spec.disks.len(),
             })?;
         let disk = if cfg.read_only {
-            BlockDisk::Image(cfg.path.clone())
+            // The image opened must be the one the guest saw, whose file
+            // system state its memory holds (when the snapshot recorded it).
+            let image = |source| RestoreError::Image {
+                disk: index,
+                source,
+            };
+            let file = FileDisk::open(&cfg.path, true).map_err(image)?;
+            let found = file.identity().map_err(image)?;
+            if let Some(recorded) = self.st.image_of(index).filter(|r| *r != found) {
+                return Err(RestoreError::ImageChanged {
+                    disk: index,
+                    path: cfg.path,
+                    recorded,
+                    found,
+                });
+            }
+            BlockDisk::File {
+                disk: file,
+                image: Some(found),
+            }
         } else {
             let name = disk_layer_name(index);
             // Only the files each verified manifest lists, never names built

@@ -10,7 +10,7 @@
 use devices::legacy::i8042::I8042State;
 use devices::legacy::serial::SerialState;
 use devices::state::versions;
-use devices::virtio::block::BlockState;
+use devices::virtio::block::{BlockState, ImageIdentity};
 use devices::virtio::mmio::MmioTransportState;
 use devices::virtio::net::NetState;
 use devices::virtio::rng::RngState;
@@ -30,8 +30,26 @@ pub enum StateBlobError {
     Encode(#[source] postcard::Error),
     #[error("The VM state is unreadable (corrupt or from another Sprout)")]
     Decode(#[source] postcard::Error),
-    #[error("The VM state is version {found}; this Sprout reads version {STATE_VERSION}")]
+    #[error(
+        "The VM state is version {found}; this Sprout reads versions {OLDEST_STATE_VERSION} to \
+         {STATE_VERSION}"
+    )]
     Version { found: u32 },
+    #[error("The VM state records the image of disk {0}, which is not a read-only disk of its VM")]
+    ImageOfNoImage(usize),
+}
+
+/// The oldest blob version this build reads: version 2 is version 3 without
+/// [`VmState::images`] (read back as none).
+pub const OLDEST_STATE_VERSION: u32 = 2;
+
+/// Which version of a read-only disk's image the guest saw
+/// ([`ImageIdentity`]): a restore refuses an image that is not it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskImage {
+    /// Indexes `spec.disks`.
+    pub disk: usize,
+    pub identity: ImageIdentity,
 }
 
 /// Everything a snapshot saves of a VM besides its memory and disks.
@@ -51,6 +69,10 @@ pub struct VmState {
     pub virtio: Vec<VirtioSlot>,
     /// The test guest's mailbox: which vCPUs had said they were ready.
     pub mailbox_ready: u8,
+    /// Every read-only disk's image as the guest saw it (since version 3;
+    /// none from an older blob, whose restores check no image). Last, so a
+    /// version 2 blob is this encoding without it.
+    pub images: Vec<DiskImage>,
 }
 
 /// How the blob records a [`VmSpec`]: as it is, but for each disk's base,
@@ -185,18 +207,40 @@ impl VmState {
             .map_err(StateBlobError::Decode)
     }
 
-    /// Decodes a blob of this build's version, exactly as this build writes it.
+    /// Decodes a blob of this build's version, exactly as this build writes it,
+    /// or of version 2 (read as this version with no [`VmState::images`]).
     ///
     /// Anything else is refused as corrupt: trailing bytes, overlong varints and,
     /// above all, KVM structures of the wrong length, which kvm-bindings' serde
     /// would otherwise zero-fill (when short) or truncate (when long) and hand to
     /// KVM as if they were state. Checked by re-encoding: a real blob re-encodes
-    /// byte for byte (see the golden test).
+    /// byte for byte (see the golden test). So is every recorded image's disk:
+    /// a read-only disk of the spec, recorded once.
     pub fn decode(bytes: &[u8]) -> Result<VmState, StateBlobError> {
         let found = Self::version_of(bytes)?;
-        if found != STATE_VERSION {
-            return Err(StateBlobError::Version { found });
+        let st = match found {
+            STATE_VERSION => Self::decode_exact(bytes)?,
+            // Both versions are one-byte varints (an overlong one is refused
+            // by the re-encoding), and an empty `images` is one zero byte.
+            2 if bytes.first() == Some(&2) => {
+                let mut b = Vec::with_capacity(bytes.len() + 1);
+                b.push(STATE_VERSION as u8);
+                b.extend_from_slice(&bytes[1..]);
+                b.push(0);
+                Self::decode_exact(&b)?
+            }
+            _ => return Err(StateBlobError::Version { found }),
+        };
+        for (i, img) in st.images.iter().enumerate() {
+            let read_only = st.spec.disks.get(img.disk).is_some_and(|d| d.read_only);
+            if !read_only || st.images[..i].iter().any(|o| o.disk == img.disk) {
+                return Err(StateBlobError::ImageOfNoImage(img.disk));
+            }
         }
+        Ok(st)
+    }
+
+    fn decode_exact(bytes: &[u8]) -> Result<VmState, StateBlobError> {
         let st: VmState = postcard::from_bytes(bytes).map_err(StateBlobError::Decode)?;
         if st.encode()? != bytes {
             return Err(StateBlobError::Decode(
@@ -204,6 +248,14 @@ impl VmState {
             ));
         }
         Ok(st)
+    }
+
+    /// The image disk `disk` was restored over must be, when one was recorded.
+    pub fn image_of(&self, disk: usize) -> Option<ImageIdentity> {
+        self.images
+            .iter()
+            .find(|i| i.disk == disk)
+            .map(|i| i.identity)
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, StateBlobError> {

@@ -68,7 +68,8 @@ pub fn protocol_code(code: &str) -> ErrorCode {
         "no_parent" => ErrorCode::NoParent,
         "ephemeral_parent" => ErrorCode::EphemeralParent,
         "layer_gone" => ErrorCode::LayerGone,
-        "bad_snapshot" => ErrorCode::BadSnapshot,
+        // The snapshot does not fit its image: the message says which.
+        "bad_snapshot" | "image_changed" => ErrorCode::BadSnapshot,
         "shape_mismatch" => ErrorCode::ShapeMismatch,
         "bad_request" => ErrorCode::BadRequest,
         "io" => ErrorCode::Io,

@@ -69,6 +69,56 @@ impl FileDisk {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The identity of the image as this open file has it now
+    /// ([`ImageIdentity`]): one read of at most [`IDENTITY_HEAD_BYTES`].
+    pub fn identity(&self) -> Result<ImageIdentity, BlockError> {
+        let mut head = vec![0u8; self.size.min(IDENTITY_HEAD_BYTES) as usize];
+        self.file
+            .read_exact_at(&mut head, 0)
+            .map_err(|source| BlockError::Identity {
+                path: self.path.clone(),
+                source,
+            })?;
+        Ok(ImageIdentity {
+            size: self.size,
+            head: xxhash_rust::xxh3::xxh3_128(&head),
+        })
+    }
+}
+
+/// How many bytes from its start an [`ImageIdentity`] hashes: 64 KiB.
+pub const IDENTITY_HEAD_BYTES: u64 = 64 << 10;
+
+/// Which version of a read-only disk image a guest saw: its size and an
+/// xxh3-128 of its first [`IDENTITY_HEAD_BYTES`]. A snapshot records it so a
+/// restore can refuse an image that is no longer the one whose contents the
+/// guest's page cache and file system state hold.
+///
+/// The head of an ext4 image is its superblock (a random UUID and creation
+/// time per `mkfs`; mount, write and unmount times and counts that change
+/// with every read-write mount) and its group descriptors, so a rebuilt or
+/// edited image differs there; a copy of the same bytes, anywhere, does not.
+/// A change that leaves the head alone (bytes rewritten in place deep inside
+/// the file, past its file system) is not seen: hashing whole images at every
+/// restore would cost seconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ImageIdentity {
+    pub size: u64,
+    pub head: u128,
+}
+
+impl ImageIdentity {
+    /// The identity of the image at `path` now.
+    pub fn of_path(path: &Path) -> Result<ImageIdentity, BlockError> {
+        FileDisk::open(path, true)?.identity()
+    }
+}
+
+impl std::fmt::Display for ImageIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes, head {:032x}", self.size, self.head)
+    }
 }
 
 impl DiskBackend for FileDisk {
@@ -111,6 +161,57 @@ mod tests {
             FileDisk::open(&dir, false),
             Err(BlockError::Open { .. })
         ));
+    }
+
+    /// The same bytes anywhere are one image; a change in its head or its
+    /// size is another; a change past the head is not seen (the documented
+    /// limit). A device opened read-only from a file carries its identity.
+    #[test]
+    fn an_image_is_identified_by_its_size_and_head() {
+        let bytes: Vec<u8> = (0..(96u32 << 10)).map(|i| (i % 251) as u8).collect();
+        let a = TempImage::new(&bytes);
+        let copy = TempImage::new(&bytes);
+        let id = ImageIdentity::of_path(&a.0).unwrap();
+        assert_eq!(id.size, 96 << 10);
+        assert_eq!(id.head, xxhash_rust::xxh3::xxh3_128(&bytes[..64 << 10]));
+        assert_eq!(ImageIdentity::of_path(&copy.0).unwrap(), id);
+        let mut head = bytes.clone();
+        head[1024 + 0x68] ^= 1;
+        assert_ne!(
+            ImageIdentity::of_path(&TempImage::new(&head).0).unwrap(),
+            id
+        );
+        let mut longer = bytes.clone();
+        longer.extend_from_slice(&[0; 512]);
+        assert_ne!(
+            ImageIdentity::of_path(&TempImage::new(&longer).0).unwrap(),
+            id
+        );
+        let mut deep = bytes.clone();
+        deep[80 << 10] ^= 1;
+        assert_eq!(
+            ImageIdentity::of_path(&TempImage::new(&deep).0).unwrap(),
+            id
+        );
+        // Smaller than the head: all of it.
+        let small = TempImage::new(&bytes[..4096]);
+        let s = ImageIdentity::of_path(&small.0).unwrap();
+        assert_eq!(s.head, xxhash_rust::xxh3::xxh3_128(&bytes[..4096]));
+        assert_eq!(s.to_string(), format!("4096 bytes, head {:032x}", s.head));
+        let dev = crate::virtio::block::Block::new(crate::virtio::block::BlockConfig {
+            path: a.0.clone(),
+            read_only: true,
+            id: "img".into(),
+        })
+        .unwrap();
+        assert_eq!(dev.image_identity(), Some(id));
+        let rw = crate::virtio::block::Block::new(crate::virtio::block::BlockConfig {
+            path: a.0.clone(),
+            read_only: false,
+            id: "img".into(),
+        })
+        .unwrap();
+        assert_eq!(rw.image_identity(), None);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use virtio_bindings::bindings::virtio_blk::{
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::backend::{DiskBackend, FileDisk};
+use super::backend::{DiskBackend, FileDisk, ImageIdentity};
 use super::layered::LayeredDisk;
 use super::request::{self, DiskInfo};
 use super::{BlockError, ID_BYTES, QUEUE_SIZE, SECTOR_SIZE, SEG_MAX, SIZE_MAX};
@@ -39,6 +39,8 @@ pub struct Block {
     disk: Box<dyn DiskBackend>,
     /// The same backend when it is a [`LayeredDisk`], for the VMM to reach at snapshots.
     layered: Option<Arc<LayeredDisk>>,
+    /// For a read-only image file: which version of it this device serves.
+    image: Option<ImageIdentity>,
     pub(super) read_only: bool,
     id: [u8; ID_BYTES],
     pub(super) capacity_bytes: u64,
@@ -51,9 +53,25 @@ pub struct Block {
 
 impl Block {
     /// Opens the image at `cfg.path` (read-only if asked) as a [`FileDisk`].
+    /// A read-only image is identified as it is opened
+    /// ([`Block::image_identity`]).
     pub fn new(cfg: BlockConfig) -> Result<Self, BlockError> {
         let disk = FileDisk::open(&cfg.path, cfg.read_only)?;
-        Self::with_backend(Box::new(disk), cfg.read_only, &cfg.id)
+        let image = cfg.read_only.then(|| disk.identity()).transpose()?;
+        Self::with_file(disk, image, cfg.read_only, &cfg.id)
+    }
+
+    /// A device over an image file already opened, and identified by
+    /// `image` ([`FileDisk::identity`] of that same file) when read-only.
+    pub fn with_file(
+        disk: FileDisk,
+        image: Option<ImageIdentity>,
+        read_only: bool,
+        id: &str,
+    ) -> Result<Self, BlockError> {
+        let mut dev = Self::with_backend(Box::new(disk), read_only, id)?;
+        dev.image = image;
+        Ok(dev)
     }
 
     /// A device over any backend (e.g. a copy-on-write layer for a forked VM).
@@ -87,6 +105,7 @@ impl Block {
         Ok(Self {
             disk,
             layered: None,
+            image: None,
             read_only,
             id: id_bytes,
             capacity_bytes,
@@ -112,6 +131,13 @@ impl Block {
     /// The layered disk behind this device, if it was built with [`Block::with_layered`].
     pub fn layered_disk(&self) -> Option<&Arc<LayeredDisk>> {
         self.layered.as_ref()
+    }
+
+    /// Which version of its image this device serves, when it was opened
+    /// read-only from an image file ([`Block::new`]): what a snapshot records
+    /// and a restore checks the image against.
+    pub fn image_identity(&self) -> Option<ImageIdentity> {
+        self.image
     }
 
     /// Disk size in 512-byte sectors.

@@ -26,7 +26,7 @@ mod request;
 use std::io;
 use std::path::PathBuf;
 
-pub use backend::{DiskBackend, FileDisk};
+pub use backend::{DiskBackend, FileDisk, ImageIdentity, IDENTITY_HEAD_BYTES};
 pub use device::{Block, BlockConfig};
 pub use layered::{
     LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError, StagedLayer, CLUSTER_SIZE,
@@ -60,6 +60,12 @@ pub enum BlockError {
     },
     #[error("Cannot get the size of disk image {}", path.display())]
     Size {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot read disk image {} to identify it", path.display())]
+    Identity {
         path: PathBuf,
         #[source]
         source: io::Error,

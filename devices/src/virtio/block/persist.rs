@@ -31,6 +31,12 @@ pub struct BlockState {
 pub enum BlockDisk {
     /// An image file, opened as [`Block::new`] does.
     Image(PathBuf),
+    /// An image file already opened, as [`Block::with_file`] (`image`: its
+    /// identity, when read-only).
+    File {
+        disk: super::FileDisk,
+        image: Option<super::ImageIdentity>,
+    },
     /// A layered copy-on-write disk the VMM also holds, as [`Block::with_layered`].
     Layered(Arc<LayeredDisk>),
     /// Any other backend, as [`Block::with_backend`].
@@ -80,6 +86,7 @@ impl Persist for Block {
                 read_only,
                 id,
             }),
+            BlockDisk::File { disk, image } => Block::with_file(disk, image, read_only, &id),
             BlockDisk::Layered(l) => Block::with_layered(l, read_only, &id),
             BlockDisk::Backend(b) => Block::with_backend(b, read_only, &id),
         };
