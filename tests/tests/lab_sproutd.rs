@@ -591,3 +591,145 @@ fn exec_limits(out: &lab::LabOutput) {
     }
     assert_eq!(out.values("lim-daemon-exit:"), ["0"], "{o}");
 }
+
+/// A template is bound to the image it was built over. Here sproutd serves
+/// an image `mini` (busybox and the agent, built in the lab with mkfs.ext4
+/// -d, `/etc/version` saying which build) from its own cache. The first
+/// create builds its template, the second restores it; the image is then
+/// rebuilt (another mkfs: another superblock) and put in its place, as an
+/// update does. The next create builds the template again and its guest reads
+/// the new image whole. A user snapshot taken over the old image is refused
+/// over the new one, saying why, and restores again once the old one is back.
+const IMAGE_CHANGE: &str = r#"
+ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
+export SPROUT_CACHE=/tmp/c
+mkdir -p /tmp/c/images
+ln -s /opt/sprout/vmlinux /tmp/c/vmlinux
+ln -s /opt/sprout/images/scratch.ext4 /tmp/c/images/scratch.ext4
+cat >/tmp/sprout-init <<'SPROUT_INIT_END'
+@INIT@
+SPROUT_INIT_END
+mk() {
+  r=/tmp/root-$1
+  mkdir -p $r/bin $r/sbin $r/usr/bin $r/usr/sbin $r/etc $r/dev $r/proc $r/sys $r/tmp $r/run $r/mnt $r/root $r/workspace
+  chmod 1777 $r/tmp
+  cp /bin/busybox $r/bin/busybox
+  for a in $(/bin/busybox --list-full); do [ -e $r/$a ] || ln -s /bin/busybox $r/$a; done
+  cp /opt/sprout/images/.sprout-agent.stripped $r/sbin/sprout-agent
+  cp /tmp/sprout-init $r/sbin/sprout-init
+  chmod 0755 $r/sbin/sprout-agent $r/sbin/sprout-init
+  printf 'root:x:0:0:root:/root:/bin/sh\n' >$r/etc/passwd
+  printf 'root:x:0:\n' >$r/etc/group
+  echo "$1" >$r/etc/version
+  mkfs.ext4 -q -F -L mini -O ^has_journal -m 0 -E root_owner=0:0 -d $r /tmp/mini-$1.ext4 16M || exit 20
+}
+mk one
+mk two
+put() { cp /tmp/mini-$1.ext4 /tmp/c/images/mini.tmp && mv /tmp/c/images/mini.tmp /tmp/c/images/mini.ext4; }
+put one
+sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >/tmp/sd.out 2>/tmp/sd.log &
+i=0
+until sprout api GET /v1/health >/dev/null 2>&1; do
+  i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
+  sleep 0.1
+done
+api() { sprout api "$@" 2>/dev/null; }
+# $1: a label; $2: the create's body. Retries while the template builds.
+create() {
+  i=0
+  while :; do
+    out=$(api POST /v1/runtime/schedule "$2")
+    case "$out" in
+      *template_building*)
+        echo "$1-building: yes"
+        i=$((i+1)); [ $i -gt 1800 ] && { echo "$1: no template"; tail -50 /tmp/sd.log; exit 11; }
+        sleep 0.5 ;;
+      *) break ;;
+    esac
+  done
+  echo "$1: $out"
+  id=$(echo "$out" | sed -n 's/.*"vmId":"\([^"]*\)".*/\1/p')
+  [ -n "$id" ] || return 0
+  echo "$1-version: $(api POST /v1/runtime/vms/$id/exec '{"command":"cat","argv":["/etc/version"]}')"
+  echo "$1-read: $(api POST /v1/runtime/vms/$id/exec '{"command":"/bin/sh","argv":["-c","ls /bin | wc -l; cat /etc/passwd; md5sum /bin/busybox /sbin/sprout-agent | wc -l"]}')"
+}
+mini='{"image":"mini","cpus":1,"memoryMb":256}'
+create first "$mini"
+echo "templates-1: $(api GET /v1/runtime/templates)"
+create second "$mini"
+snap=$(api POST /v1/runtime/vms/$id/snapshot '{}')
+echo "snapshot: $snap"
+sid=$(echo "$snap" | sed -n 's/.*"snapshotId":"\([^"]*\)".*/\1/p')
+put two
+create third "$mini"
+echo "templates-2: $(api GET /v1/runtime/templates)"
+create from-snapshot "{\"snapshot\":\"$sid\"}"
+put one
+create from-snapshot-again "{\"snapshot\":\"$sid\"}"
+grep -i "building the template again" /tmp/sd.log | sed 's/^/log: /'
+"#;
+
+#[test]
+fn a_template_is_built_again_when_its_image_changes_and_a_snapshot_refuses_another_image() {
+    let script = IMAGE_CHANGE.replace(
+        "@INIT@",
+        include_str!("../../guest/images/sprout-init").trim_end(),
+    );
+    let out = lab::Script::new(script)
+        .timeout(std::time::Duration::from_secs(1500))
+        .run();
+    out.assert_success();
+    let o = &out.stdout;
+    let exec_out = |label: &str| out.json(&format!("{label}:"))["stdout"].clone();
+    // Built once, restored once, both over build one.
+    assert!(!out.values("first-building:").is_empty(), "{o}");
+    assert!(out.values("second-building:").is_empty(), "{o}");
+    let first = out.json("first:");
+    let second = out.json("second:");
+    assert_eq!(first["state"], "running", "{o}");
+    assert_eq!(second["snapshotId"], first["snapshotId"], "{o}");
+    for l in ["first", "second"] {
+        assert_eq!(exec_out(&format!("{l}-version")), "one\n", "{l}: {o}");
+    }
+    let t1 = out.json("templates-1:");
+    let t1 = &t1["templates"][0];
+    assert_eq!(t1["state"], "ready", "{o}");
+    assert_eq!(t1["snapshotId"], first["snapshotId"], "{o}");
+    // The image changed: built again, and the new guest reads build two
+    // whole (before, it restored the old template over the new disk: the
+    // old one's file contents, or EIO and EBADMSG from a file system that
+    // did not match).
+    assert!(!out.values("third-building:").is_empty(), "{o}");
+    let third = out.json("third:");
+    assert_eq!(third["state"], "running", "{o}");
+    assert_ne!(third["snapshotId"], first["snapshotId"], "{o}");
+    assert_eq!(exec_out("third-version"), "two\n", "{o}");
+    for l in ["first", "second", "third"] {
+        let r = out.json(&format!("{l}-read:"));
+        assert_eq!(r["exitCode"], 0, "{l}: {o}");
+        let lines: Vec<&str> = r["stdout"].as_str().unwrap().lines().collect();
+        assert_eq!(
+            lines[1..],
+            ["root:x:0:0:root:/root:/bin/sh", "2"],
+            "{l}: {o}"
+        );
+    }
+    let t2 = out.json("templates-2:");
+    assert_eq!(t2["templates"][0]["snapshotId"], third["snapshotId"], "{o}");
+    assert!(
+        out.values("log:")
+            .iter()
+            .any(|l| l.contains("not the one its template was built over")),
+        "{o}"
+    );
+    // The user snapshot over build one: refused over build two, naming
+    // the image and why; restored over build one again.
+    let refused = out.json("from-snapshot:");
+    let msg = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("/tmp/c/images/mini.ext4") && msg.contains("rebuilt or changed"),
+        "{o}"
+    );
+    assert!(out.values("from-snapshot-version:").is_empty(), "{o}");
+    assert_eq!(exec_out("from-snapshot-again-version"), "one\n", "{o}");
+}

@@ -151,6 +151,11 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (vm_id, port)
     );
     "#,
+    // 7: which version of its image a template was built over
+    // (`devices::virtio::block::ImageIdentity`); none: from before, unknown.
+    r#"
+    ALTER TABLE templates ADD COLUMN image_identity TEXT;
+    "#,
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -497,6 +502,18 @@ pub struct TemplateRow {
     pub build_id: Option<Uuid>,
     pub build_ms: Option<u64>,
     pub updated_ms: u64,
+    /// The identity of the image it was built over ([`image_identity`]);
+    /// none for one from before it was recorded.
+    pub image_identity: Option<String>,
+}
+
+/// The identity of the image file at `path` now, as a template records it:
+/// its size and the hash of its head (`ImageIdentity`), which a rebuilt or
+/// changed image does not share. None when it cannot be read.
+pub fn image_identity(path: &Path) -> Option<String> {
+    devices::virtio::block::ImageIdentity::of_path(path)
+        .ok()
+        .map(|i| i.to_string())
 }
 
 /// An image found on disk.
@@ -745,8 +762,8 @@ impl Registry {
     pub fn put_template(&self, t: &TemplateRow) -> Result<(), RegistryError> {
         self.conn.execute(
             "INSERT OR REPLACE INTO templates (image, cpus, memory_mb, state, snapshot_id,
-                failure_reason, build_id, build_ms, updated_ms, runtime)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                failure_reason, build_id, build_ms, updated_ms, runtime, image_identity)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
             params![
                 t.image,
                 t.cpus,
@@ -758,6 +775,7 @@ impl Registry {
                 t.build_ms.map(|v| v as i64),
                 t.updated_ms as i64,
                 t.runtime.as_str(),
+                t.image_identity,
             ],
         )?;
         Ok(())
@@ -767,7 +785,7 @@ impl Registry {
     pub fn list_templates(&self) -> Result<Vec<TemplateRow>, RegistryError> {
         let mut st = self.conn.prepare(
             "SELECT image, cpus, memory_mb, state, snapshot_id, failure_reason, build_id,
-                build_ms, updated_ms, runtime FROM templates
+                build_ms, updated_ms, runtime, image_identity FROM templates
                 ORDER BY image, runtime, cpus, memory_mb",
         )?;
         let rows = st.query_map([], |r| {
@@ -782,11 +800,13 @@ impl Registry {
                 r.get::<_, Option<i64>>(7)?,
                 r.get::<_, i64>(8)?,
                 r.get::<_, String>(9)?,
+                r.get::<_, Option<String>>(10)?,
             ))
         })?;
         let mut out = Vec::new();
         for row in rows {
-            let (image, cpus, memory_mb, state, snap, why, build, ms, updated, runtime) = row?;
+            let (image, cpus, memory_mb, state, snap, why, build, ms, updated, runtime, ident) =
+                row?;
             out.push(TemplateRow {
                 image,
                 runtime: runtime.parse()?,
@@ -798,6 +818,7 @@ impl Registry {
                 build_id: uuid_col(build, "template build_id")?,
                 build_ms: ms.map(|v| v.max(0) as u64),
                 updated_ms: updated.max(0) as u64,
+                image_identity: ident,
             });
         }
         Ok(out)
@@ -1486,11 +1507,14 @@ mod tests {
         assert_eq!(old.len(), 1);
         assert_eq!(old[0].runtime, Runtime::Container);
         assert_eq!(old[0].updated_ms, 3);
+        // Built before image identities were recorded: unknown.
+        assert_eq!(old[0].image_identity, None);
         // The same image and shape in the other runtime is another template.
         let vm = TemplateRow {
             runtime: Runtime::Vm,
             state: TemplateState::Building,
             updated_ms: 4,
+            image_identity: Some("4096 bytes, head 01".into()),
             ..old[0].clone()
         };
         r.put_template(&vm).unwrap();

@@ -53,6 +53,7 @@ impl App {
         memory_mb: u32,
     ) -> Result<Lookup, ApiError> {
         let name = image.name.clone();
+        let path = image.path.clone();
         let build_id = Uuid::new_v4();
         let start = self
             .db(move |r| {
@@ -76,10 +77,27 @@ impl App {
                     Some(TemplateRow {
                         state: TemplateState::Ready,
                         snapshot_id: Some(sid),
+                        image_identity,
                         ..
                     }) => {
-                        if let Some(s) = r.get_snapshot(sid)? {
-                            return Ok(Ok(Some(s)));
+                        // Only over the image it was built over: a guest
+                        // restored over another (rebuilt, or changed in
+                        // place) would read a file system its memory does
+                        // not describe. One from before identities were
+                        // recorded is built again too.
+                        let now = super::registry::image_identity(&path);
+                        if image_identity.is_some() && image_identity == now {
+                            if let Some(s) = r.get_snapshot(sid)? {
+                                return Ok(Ok(Some(s)));
+                            }
+                        } else {
+                            tracing::info!(
+                                image = %name, runtime = runtime.as_str(), cpus, memory_mb,
+                                "the image is not the one its template was built over \
+                                 (then: {}; now: {}): building the template again",
+                                image_identity.as_deref().unwrap_or("not recorded"),
+                                now.as_deref().unwrap_or("unreadable")
+                            );
                         }
                     }
                     _ => {}
@@ -95,6 +113,7 @@ impl App {
                     build_id: Some(build_id),
                     build_ms: None,
                     updated_ms: now_ms(),
+                    image_identity: None,
                 })?;
                 Ok(Err(estimate))
             })
@@ -161,6 +180,7 @@ impl App {
                             build_id: None,
                             build_ms: None,
                             updated_ms: now_ms(),
+                            image_identity: None,
                         })
                     })
                     .await;
@@ -184,6 +204,13 @@ impl App {
             runtime,
             ..Sandbox::starting(build_id, "", &image.name, cpus, memory_mb, now_ms())
         };
+        // The image as the build's VM opens it: identified first, so an
+        // image replaced during the build is one the template does not
+        // claim (its restores would refuse it: see `vmm`'s restore).
+        let path = image.path.clone();
+        let identity = tokio::task::spawn_blocking(move || super::registry::image_identity(&path))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?;
         let (a, row, path) = (self.clone(), s.clone(), image.path.clone());
         let booted =
             tokio::task::spawn_blocking(move || a.supervisor.boot(&row, Some(&path), None))
@@ -273,6 +300,7 @@ impl App {
                         build_id: None,
                         build_ms: Some(took),
                         updated_ms: now_ms(),
+                        image_identity: identity,
                     })
                 })
                 .await;
