@@ -68,7 +68,11 @@ agent_bin() {
   # (CARGO_TARGET_DIR moves cargo's output: the agent just built is there.)
   local built=${CARGO_TARGET_DIR:-$root/target}/x86_64-unknown-linux-musl/release/sprout-agent
   local stripped=$cache/images/.sprout-agent.stripped
-  strip -o "$stripped.tmp" "$built" || die "cannot strip $built"
+  # Without its GNU build id too: the linker hashes the debug info, whose
+  # paths name the checkout, into it (the only bytes two checkouts' builds
+  # of one commit differ in). So the agent, and the images keyed by it, are
+  # the same from any checkout, and a new clone reuses the cached images.
+  strip -R .note.gnu.build-id -o "$stripped.tmp" "$built" || die "cannot strip $built"
   mv "$stripped.tmp" "$stripped"
   echo "$stripped"
 }
