@@ -32,12 +32,14 @@ pub enum Lookup {
     Building(u64),
 }
 
-/// `Retry-After` of a first build when no build has been timed yet.
+/// `Retry-After` of a first build when no build has been timed yet: a
+/// Linux image's boot takes 5-60 s in the emulated lab, about a second on
+/// hardware virtualization; a client that retries early gets another 503.
 fn first_estimate(image: &str) -> u64 {
     if image == TEST_GUEST_IMAGE {
         1
     } else {
-        30
+        10
     }
 }
 
@@ -70,6 +72,9 @@ impl App {
                         && t.cpus == cpus
                         && t.memory_mb == memory_mb
                 });
+                // A rebuild keeps the last build's time: the estimate of
+                // the creates that wait for it (shown once ready only).
+                let last_ms = this.as_ref().and_then(|t| t.build_ms);
                 match this {
                     Some(t) if t.state == TemplateState::Building => {
                         return Ok(Err(estimate));
@@ -111,7 +116,7 @@ impl App {
                     snapshot_id: None,
                     failure_reason: None,
                     build_id: Some(build_id),
-                    build_ms: None,
+                    build_ms: last_ms,
                     updated_ms: now_ms(),
                     image_identity: None,
                 })?;
@@ -410,7 +415,7 @@ pub async fn list(State(app): State<Arc<App>>) -> Result<Json<TemplateList>, Api
                     state: t.state,
                     snapshot_id: t.snapshot_id,
                     failure_reason: t.failure_reason,
-                    build_ms: t.build_ms,
+                    build_ms: t.build_ms.filter(|_| t.state == TemplateState::Ready),
                     updated_at: humantime::format_rfc3339_millis(at).to_string(),
                 }
             })
