@@ -414,6 +414,41 @@ async fn linux_sandboxes_through_every_rest_state_from_the_lab() {
     // It ran 20 s with a 5 s timeout: it was never put to sleep under it
     // (a sleep would have cut the exec off).
     assert_eq!(v["exitCode"], 0, "{v}");
+    // A guest that computes is busy: a busy loop started in the background
+    // (no call runs) keeps it awake three times its timeout; once the loop
+    // is killed, it sleeps on time.
+    let (st, v) = call(
+        &c,
+        &h,
+        "POST",
+        &format!("/v1/runtime/vms/{q}/exec"),
+        json!({"command": "/bin/sh", "argv": ["-c", "while :; do :; done"], "background": true}),
+    )
+    .await;
+    assert_eq!(st, 201, "{v}");
+    let spin = v["execId"].as_u64().unwrap();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(15) {
+        let v = vm(&c, &h, &q).await;
+        assert_eq!(v["state"], "running", "put to sleep while computing: {v}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    op(
+        &c,
+        &h,
+        &q,
+        &format!("processes/{spin}/signal"),
+        json!({"signal": "KILL"}),
+    )
+    .await;
+    let t = Instant::now();
+    while vm(&c, &h, &q).await["state"] != "sleeping" {
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "not asleep 15 s after its computing ended"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     call(&c, &h, "DELETE", &format!("/v1/runtime/vms/{q}"), json!({})).await;
 
     let (_, snaps) = call(&c, &h, "GET", "/v1/runtime/snapshots", json!({})).await;
