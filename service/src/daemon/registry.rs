@@ -507,9 +507,10 @@ pub struct TemplateRow {
     pub image_identity: Option<String>,
 }
 
-/// The identity of the image file at `path` now, as a template records it:
-/// its size and the hash of its head (`ImageIdentity`), which a rebuilt or
-/// changed image does not share. None when it cannot be read.
+/// The identity of the image file at `path` now (the test guest's kernel
+/// for `testguest`), as a template records it: its size and the hash of its
+/// head (`ImageIdentity`), which a rebuilt or changed image does not share.
+/// None when it cannot be read.
 pub fn image_identity(path: &Path) -> Option<String> {
     devices::virtio::block::ImageIdentity::of_path(path)
         .ok()

@@ -89,9 +89,10 @@ impl App {
                         // restored over another (rebuilt, or changed in
                         // place) would read a file system its memory does
                         // not describe. One from before identities were
-                        // recorded is built again too.
+                        // recorded is built again too. (An image that cannot
+                        // be read now is not a reason: its restore says why.)
                         let now = super::registry::image_identity(&path);
-                        if image_identity.is_some() && image_identity == now {
+                        if now.is_none() || image_identity == now {
                             if let Some(s) = r.get_snapshot(sid)? {
                                 return Ok(Ok(Some(s)));
                             }

@@ -73,16 +73,9 @@ impl FileDisk {
     /// The identity of the image as this open file has it now
     /// ([`ImageIdentity`]): one read of at most [`IDENTITY_HEAD_BYTES`].
     pub fn identity(&self) -> Result<ImageIdentity, BlockError> {
-        let mut head = vec![0u8; self.size.min(IDENTITY_HEAD_BYTES) as usize];
-        self.file
-            .read_exact_at(&mut head, 0)
-            .map_err(|source| BlockError::Identity {
-                path: self.path.clone(),
-                source,
-            })?;
-        Ok(ImageIdentity {
-            size: self.size,
-            head: xxhash_rust::xxh3::xxh3_128(&head),
+        ImageIdentity::of_file(&self.file, self.size).map_err(|source| BlockError::Identity {
+            path: self.path.clone(),
+            source,
         })
     }
 }
@@ -109,9 +102,21 @@ pub struct ImageIdentity {
 }
 
 impl ImageIdentity {
-    /// The identity of the image at `path` now.
-    pub fn of_path(path: &Path) -> Result<ImageIdentity, BlockError> {
-        FileDisk::open(path, true)?.identity()
+    /// The identity of any file at `path` now (a disk image, or a kernel
+    /// that stands for one), as [`FileDisk::identity`] has it for an image.
+    pub fn of_path(path: &Path) -> io::Result<ImageIdentity> {
+        let f = File::open(path)?;
+        let size = f.metadata()?.len();
+        Self::of_file(&f, size)
+    }
+
+    fn of_file(f: &File, size: u64) -> io::Result<ImageIdentity> {
+        let mut head = vec![0u8; size.min(IDENTITY_HEAD_BYTES) as usize];
+        f.read_exact_at(&mut head, 0)?;
+        Ok(ImageIdentity {
+            size,
+            head: xxhash_rust::xxh3::xxh3_128(&head),
+        })
     }
 }
 
@@ -193,7 +198,13 @@ mod tests {
             ImageIdentity::of_path(&TempImage::new(&deep).0).unwrap(),
             id
         );
-        // Smaller than the head: all of it.
+        // Smaller than the head: all of it. Any file, of any length.
+        let odd = TempImage::new(&bytes[..1000]);
+        let o = ImageIdentity::of_path(&odd.0).unwrap();
+        assert_eq!(
+            (o.size, o.head),
+            (1000, xxhash_rust::xxh3::xxh3_128(&bytes[..1000]))
+        );
         let small = TempImage::new(&bytes[..4096]);
         let s = ImageIdentity::of_path(&small.0).unwrap();
         assert_eq!(s.head, xxhash_rust::xxh3::xxh3_128(&bytes[..4096]));
