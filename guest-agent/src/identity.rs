@@ -2,8 +2,9 @@
 //! host's wall-clock time and fresh entropy.
 //!
 //! It sets the clock, credits the entropy and reseeds the kernel CRNG, sets the hostname
-//! and writes a new `/etc/machine-id` (which [`ensure_machine_id`] gave the machine when
-//! it booted): it changes the machine it runs on, so the agent
+//! and writes `/etc/machine-id` (which [`ensure_machine_id`] gave the machine when
+//! it booted): a new random one, or the host's id for the machine
+//! ([`refresh_as`]). It changes the machine it runs on, so the agent
 //! serves it only when started with `--allow-identity` (as PID 1 starts it in a VM) and
 //! it is tested in a VM only.
 
@@ -30,6 +31,8 @@ pub enum IdentityError {
     Entropy(usize),
     #[error("Hostname {0:?} is invalid: use 1 to 64 characters of [A-Za-z0-9.-]")]
     Hostname(String),
+    #[error("Machine id {0:?} is invalid: use 32 lowercase hex digits, not all zero")]
+    MachineId(String),
 }
 
 fn valid_name(s: &str, extra: &[u8]) -> bool {
@@ -56,9 +59,20 @@ pub fn validate(req: &Identity) -> Result<(), IdentityError> {
 }
 
 /// Applies `req` to this machine. Every step is tried; failures are listed in the
-/// answer rather than stopping the rest.
+/// answer rather than stopping the rest. The machine gets a new random id.
 pub fn refresh(req: &Identity) -> Result<IdentityDone, IdentityError> {
+    refresh_as(req, None)
+}
+
+/// [`refresh`], giving the machine the id `machine_id` (the host's for it:
+/// [`IdentityAs`](crate::protocol::IdentityAs)) when there is one.
+pub fn refresh_as(req: &Identity, machine_id: Option<&str>) -> Result<IdentityDone, IdentityError> {
     validate(req)?;
+    if let Some(id) = machine_id {
+        if !is_machine_id(format!("{id}\n").as_bytes()) {
+            return Err(IdentityError::MachineId(id.to_owned()));
+        }
+    }
     let mut done = IdentityDone::default();
 
     let ts = Timespec {
@@ -83,8 +97,12 @@ pub fn refresh(req: &Identity) -> Result<IdentityDone, IdentityError> {
         Err(e) => done.errors.push(format!("Cannot set the hostname: {e}")),
     }
 
-    match new_machine_id().and_then(|id| write_machine_id(Path::new(MACHINE_ID), &id).map(|()| id))
-    {
+    // Drawn after the reseed, when it is new.
+    let id = match machine_id {
+        Some(id) => Ok(id.to_owned()),
+        None => new_machine_id(),
+    };
+    match id.and_then(|id| write_machine_id(Path::new(MACHINE_ID), &id).map(|()| id)) {
         Ok(id) => done.machine_id = Some(id),
         Err(e) => done.errors.push(format!("Cannot write {MACHINE_ID}: {e}")),
     }
@@ -217,6 +235,34 @@ mod tests {
         assert!(matches!(validate(&r), Err(IdentityError::Hostname(_))));
         r.hostname = Some("box.local".into());
         validate(&r).unwrap();
+    }
+
+    /// The host's machine id is checked before anything changes.
+    #[test]
+    fn a_given_machine_id_must_be_one() {
+        for bad in [
+            "",
+            "0123456789abcdef0123456789abcde",
+            "0123456789ABCDEF0123456789ABCDEF",
+            "00000000000000000000000000000000",
+            "0123456789abcdef0123456789abcdef\n",
+            "0123456789abcdef0123456789abcdeg",
+        ] {
+            assert!(
+                matches!(
+                    refresh_as(&req(), Some(bad)),
+                    Err(IdentityError::MachineId(_))
+                ),
+                "{bad:?}"
+            );
+        }
+        let mut r = req();
+        r.entropy = Bytes::from(vec![0; 1]);
+        // The request itself is checked first.
+        assert!(matches!(
+            refresh_as(&r, Some("bad")),
+            Err(IdentityError::Entropy(1))
+        ));
     }
 
     #[test]

@@ -86,6 +86,10 @@ pub async fn wait_ready(
 pub struct Refresh {
     pub instance_id: u64,
     pub hostname: Option<String>,
+    /// The machine id to give the guest (the host's id of the machine it
+    /// is: kept across its own restores); none for a new random one. An
+    /// agent that cannot take one is given a random one.
+    pub machine_id: Option<String>,
 }
 
 /// Why one [`probe`] did not succeed.
@@ -111,7 +115,19 @@ pub async fn probe(
     };
     let mut ident = fresh_identity(r.instance_id).map_err(Probe::Refused)?;
     ident.hostname = r.hostname.clone();
-    match client.identity_refresh(ident).await {
+    let answer = match &r.machine_id {
+        Some(id) => match client.identity_refresh_as(ident.clone(), id).await {
+            // An agent from before `IdentityAs` (a guest image or a sleeping
+            // sandbox older than this host): the plain refresh.
+            Err(ClientError::Agent {
+                code: guest_agent::protocol::ErrorCode::UnknownKind,
+                ..
+            }) => client.identity_refresh(ident).await,
+            r => r,
+        },
+        None => client.identity_refresh(ident).await,
+    };
+    match answer {
         Ok(done) => check_refresh(done).map(Some).map_err(Probe::Refused),
         Err(e @ ClientError::Agent { .. }) => Err(Probe::Refused(e.into())),
         Err(e) => Err(Probe::Unreachable(e)),

@@ -369,6 +369,7 @@ fn refresh(kids: &mut [(WorkerProcess, u64)]) -> Result<(), ControlError> {
                 let refresh = agent::Refresh {
                     instance_id: id,
                     hostname: None,
+                    machine_id: None,
                 };
                 agent::wait_ready(&client, &exit, REFRESH_TIMEOUT, Some(&refresh))
                     .await

@@ -735,6 +735,7 @@ async fn run_job(
     let refresh = refresh.map(|instance_id| agent::Refresh {
         instance_id,
         hostname: None,
+        machine_id: None,
     });
     match agent::wait_ready(&client, exit, limit, refresh.as_ref()).await {
         Ok((_, done)) => {

@@ -223,6 +223,9 @@ async fn linux_sandboxes_through_every_rest_state_from_the_lab() {
         .collect();
     assert_eq!(kids.len(), 2);
     let mut ids = vec![identity(&c, &h, &p).await];
+    // A sandbox's machine id is its id (each child has its own, below).
+    let machine_id = |id: &str| id.replace('-', "");
+    assert_eq!(ids[0].1, machine_id(&p), "{ids:?}");
     for (i, k) in kids.iter().enumerate() {
         assert_eq!(vm(&c, &h, k).await["parentVmId"], p.as_str());
         assert_eq!(out(&c, &h, k, "cat /workspace/who").await, "parent");
@@ -233,6 +236,7 @@ async fn linux_sandboxes_through_every_rest_state_from_the_lab() {
         attach_sees_ticks(&c, &h, k, bg["execId"].as_u64().unwrap(), n).await;
         out(&c, &h, k, &format!("echo child{i} > /workspace/who")).await;
         ids.push(identity(&c, &h, k).await);
+        assert_eq!(ids[i + 1].1, machine_id(k), "{ids:?}");
     }
     // Writes stay private.
     assert_eq!(out(&c, &h, &p, "cat /workspace/who").await, "parent");
@@ -295,6 +299,9 @@ async fn linux_sandboxes_through_every_rest_state_from_the_lab() {
         last = n;
     }
     assert_eq!(out(&c, &h, &p, "hostname").await, host.as_str().unwrap());
+    // So does its machine id: the same machine, woken (systemd's journal,
+    // D-Bus and whatever else keys on it see no new machine).
+    assert_eq!(out(&c, &h, &p, "cat /etc/machine-id").await, machine_id(&p));
     let exec_id = bg["execId"].as_u64().unwrap();
     attach_sees_ticks(&c, &h, &p, exec_id, last).await;
     // The background process is still listed and attached to its exec id.
@@ -328,6 +335,7 @@ async fn linux_sandboxes_through_every_rest_state_from_the_lab() {
     assert_eq!(w["vm"]["vmId"], p.as_str());
     assert_ne!(w["vm"]["workerPid"], before);
     assert_eq!(out(&c, &h, &p, CHECK_TREE).await, "intact");
+    assert_eq!(out(&c, &h, &p, "cat /etc/machine-id").await, machine_id(&p));
     let n = counting(&c, &h, &p).await;
     attach_sees_ticks(&c, &h, &p, exec_id, n).await;
 

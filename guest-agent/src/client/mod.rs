@@ -479,6 +479,24 @@ impl Client {
             m => Err(unexpected("IdentityDone", m)),
         }
     }
+
+    /// [`Client::identity_refresh`], giving the guest `machine_id` (see
+    /// [`IdentityAs`](crate::protocol::IdentityAs)). An agent that predates it
+    /// answers `UnknownKind` (a [`ClientError::Agent`]).
+    pub async fn identity_refresh_as(
+        &self,
+        identity: Identity,
+        machine_id: &str,
+    ) -> Result<IdentityDone, ClientError> {
+        let req = crate::protocol::IdentityAs {
+            identity,
+            machine_id: machine_id.to_owned(),
+        };
+        match self.unary(req.into()).await? {
+            Message::IdentityDone(d) => Ok(clip_report(d)),
+            m => Err(unexpected("IdentityDone", m)),
+        }
+    }
 }
 
 /// `d` with its texts clipped: at most [`MAX_AGENT_REPORT_LINES`] error lines of at

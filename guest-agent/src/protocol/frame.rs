@@ -268,6 +268,19 @@ mod tests {
                 }
                 .into(),
             ),
+            (
+                13,
+                IdentityAs {
+                    identity: Identity {
+                        instance_id: "sprout-1".into(),
+                        unix_time_ns: 7,
+                        entropy: Bytes::from(vec![9; 64]),
+                        hostname: Some("box".into()),
+                    },
+                    machine_id: "0123456789abcdef0123456789abcdef".into(),
+                }
+                .into(),
+            ),
         ]
     }
 

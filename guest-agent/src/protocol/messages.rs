@@ -198,6 +198,19 @@ pub struct Identity {
     pub hostname: Option<String>,
 }
 
+/// [`Identity`], with the machine id to give the guest (`/etc/machine-id`) in
+/// place of a new random one: the host's id for the machine this guest is, so
+/// a machine restored as itself (a wake) keeps its id, and a new machine (a
+/// fork) gets its own. Answered by [`IdentityDone`]; refused as `Identity` is.
+/// An agent older than this request answers `UnknownKind` (the host then
+/// sends `Identity`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdentityAs {
+    pub identity: Identity,
+    /// 32 lowercase hex digits, not all zero (machine-id(5)).
+    pub machine_id: String,
+}
+
 /// Opens a TCP connection to `port` on the guest's loopback (127.0.0.1, then ::1);
 /// answered by [`Done`], after which the connection carries that TCP stream's bytes
 /// both ways, unframed, until either side closes. Refused with `Refused` when nothing
@@ -554,6 +567,7 @@ messages! {
     Remove = 0x0117,
     Rename = 0x0118,
     Identity = 0x0120,
+    IdentityAs = 0x0121,
     PortConnect = 0x0130,
     NetConfigure = 0x0140,
     Pong = 0x0201,

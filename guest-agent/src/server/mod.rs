@@ -373,20 +373,25 @@ impl Server {
             Message::Mkdir(req) => files::mkdir(&sh.config, w, id, req).await,
             Message::Remove(req) => files::remove(&sh.config, w, id, req).await,
             Message::Rename(req) => files::rename(&sh.config, w, id, req).await,
-            Message::Identity(req) => {
+            msg @ (Message::Identity(_) | Message::IdentityAs(_)) => {
                 if !sh.config.allow_identity {
                     let why =
                         "Identity refresh is disabled: the agent runs without --allow-identity";
                     return reply_error(w, id, ErrorCode::Forbidden, why).await;
                 }
+                let (req, machine_id) = match msg {
+                    Message::IdentityAs(r) => (r.identity, Some(r.machine_id)),
+                    Message::Identity(r) => (r, None),
+                    _ => unreachable!("matched above"),
+                };
                 // After the boot's own machine-id check, one refresh at a time.
                 let one_at_a_time = sh.identity.lock().await;
-                let answer =
-                    match tokio::task::spawn_blocking(move || identity::refresh(&req)).await {
-                        Ok(Ok(done)) => done.into(),
-                        Ok(Err(e)) => ErrorMsg::new(ErrorCode::BadRequest, e.to_string()).into(),
-                        Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
-                    };
+                let refresh = move || identity::refresh_as(&req, machine_id.as_deref());
+                let answer = match tokio::task::spawn_blocking(refresh).await {
+                    Ok(Ok(done)) => done.into(),
+                    Ok(Err(e)) => ErrorMsg::new(ErrorCode::BadRequest, e.to_string()).into(),
+                    Err(e) => ErrorMsg::new(ErrorCode::Internal, e.to_string()).into(),
+                };
                 drop(one_at_a_time);
                 write_frame(w, id, &answer).await
             }

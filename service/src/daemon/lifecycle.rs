@@ -1165,9 +1165,12 @@ impl App {
         let agent = self
             .agent(s)
             .ok_or_else(|| ApiError::new(Code::AgentUnavailable, "The VM has no vsock device"))?;
+        // The sandbox's machine id is its id: kept across its own sleeps,
+        // wakes and checkpoint restores, another for each fork or create.
         let refresh = identity.map(|(instance_id, hostname)| crate::agent::Refresh {
             instance_id,
             hostname: Some(hostname.unwrap_or_else(|| hostname_for(s.id))),
+            machine_id: Some(s.id.simple().to_string()),
         });
         let (waited, done) = self
             .supervisor
