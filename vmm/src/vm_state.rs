@@ -222,7 +222,7 @@ impl VmState {
             STATE_VERSION => Self::decode_exact(bytes)?,
             // Both versions are one-byte varints (an overlong one is refused
             // by the re-encoding), and an empty `images` is one zero byte.
-            2 if bytes.first() == Some(&2) => {
+            OLDEST_STATE_VERSION if bytes.first() == Some(&(OLDEST_STATE_VERSION as u8)) => {
                 let mut b = Vec::with_capacity(bytes.len() + 1);
                 b.push(STATE_VERSION as u8);
                 b.extend_from_slice(&bytes[1..]);
