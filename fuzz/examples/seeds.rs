@@ -80,6 +80,13 @@ fn worker_frame() {
         ),
         ("restore", Request::Restore(restore.clone())),
         (
+            "restore-over",
+            Request::RestoreOver {
+                spec: restore.clone(),
+                images: [(0, "image.ext4".into())].into(),
+            },
+        ),
+        (
             "snapshot",
             Request::Snapshot {
                 dir: "s".into(),

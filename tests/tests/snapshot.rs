@@ -492,6 +492,77 @@ fn a_restore_over_a_changed_read_only_image_is_refused() {
     assert_eq!(sector(&r), bytes[9 * 512..10 * 512]);
 }
 
+/// A rebuild leaves the old image at another path (sproutd pins every image
+/// version it boots): the snapshot says where and which image it read, and
+/// restores over that copy, which its restored VM then records.
+#[test]
+fn a_read_only_image_can_be_given_at_another_path() {
+    let dir = TempDir::new("snap-image-path");
+    let image = dir.path().join("image.img");
+    let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&image, &bytes).unwrap();
+    let (mut cfg, console) = config(1, 128);
+    cfg.disks = vec![DiskConfig {
+        path: image.clone(),
+        read_only: true,
+        id: "image".into(),
+        base: None,
+    }];
+    let vm = boot(cfg, &console);
+    let buf = TESTGUEST_SCRATCH;
+    let sector = |vm: &Vm| {
+        call(vm, 0, mb::CMD_BLK_READ, [0, 5, buf, 1]);
+        let mut got = vec![0u8; 512];
+        vm.memory().read_slice(&mut got, GuestAddress(buf)).unwrap();
+        got
+    };
+    assert_eq!(sector(&vm), bytes[5 * 512..6 * 512]);
+    let snap = dir.path().join("snap");
+    let mut vm = vm;
+    vm.snapshot(&snap, SnapshotKind::Full).unwrap();
+    drop(vm);
+    let identity = devices::virtio::block::ImageIdentity::of_path(&image).unwrap();
+    assert_eq!(
+        vmm::VmState::recorded_images(&snap).unwrap(),
+        vec![vmm::RecordedImage {
+            disk: 0,
+            path: image.clone(),
+            identity: Some(identity),
+        }]
+    );
+    // The image is rebuilt in place; the old one survives as a link.
+    let kept = dir.path().join("kept.img");
+    std::fs::hard_link(&image, &kept).unwrap();
+    let mut rebuilt = bytes.clone();
+    rebuilt[1024 + 0x68] ^= 1;
+    let tmp = dir.path().join("image.tmp");
+    std::fs::write(&tmp, &rebuilt).unwrap();
+    std::fs::rename(&tmp, &image).unwrap();
+    let at = |disk: usize, path: &std::path::Path, what: &str| {
+        let mut o = opts(MemoryBackend::Mmap, &dir, what);
+        o.image_paths.insert(disk, path.to_owned());
+        Vm::restore(&snap, o)
+    };
+    let mut r = at(0, &kept, "kept").unwrap();
+    assert_eq!(sector(&r), bytes[5 * 512..6 * 512]);
+    // Its own snapshots name the path it read.
+    let again = dir.path().join("again");
+    r.snapshot(&again, SnapshotKind::Full).unwrap();
+    drop(r);
+    assert_eq!(vmm::VmState::recorded_images(&again).unwrap()[0].path, kept);
+    // Another image at the given path is still refused, and so is a path
+    // for a disk that is no image.
+    let e = at(0, &image, "rebuilt")
+        .err()
+        .expect("restored over another image");
+    assert_eq!(e.code(), "image_changed", "{e}");
+    let e = at(1, &kept, "no disk")
+        .err()
+        .expect("restored with a bad disk");
+    assert_eq!(e.code(), "bad_request", "{e}");
+    assert!(e.to_string().contains("Disk 1"), "{e}");
+}
+
 fn anyhow_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();

@@ -45,4 +45,4 @@ pub use restore::RestoreError;
 pub use run_state::{InvalidState, VmRunState};
 pub use shell::{ShellPool, VmShell};
 pub use vm::{ExitReason, Vm, VmError};
-pub use vm_state::{StateBlobError, VmState, STATE_VERSION};
+pub use vm_state::{RecordedImage, StateBlobError, VmState, STATE_VERSION};

@@ -61,6 +61,12 @@ pub struct RestoreOptions {
     /// snapshot's TAP may belong to a VM that still runs). Needed if it has
     /// one.
     pub net: Option<crate::config::NetConfig>,
+    /// Read-only disk `i` reads its image at this path, not at the one the
+    /// snapshot recorded: the same image elsewhere (a copy, a link that
+    /// outlives a rebuild). The restored VM's spec names it; the restore
+    /// still refuses an image that is not the one recorded
+    /// ([`crate::RestoreError::ImageChanged`]).
+    pub image_paths: std::collections::BTreeMap<usize, PathBuf>,
 }
 
 impl RestoreOptions {
@@ -75,6 +81,7 @@ impl RestoreOptions {
             instance_id: None,
             vsock_max_connections: crate::config::DEFAULT_VSOCK_CONNECTIONS,
             net: None,
+            image_paths: Default::default(),
         }
     }
 

@@ -90,6 +90,8 @@ pub enum RestoreError {
         recorded: devices::virtio::block::ImageIdentity,
         found: devices::virtio::block::ImageIdentity,
     },
+    #[error("Disk {disk} of the snapshot is no read-only image: its path cannot be given")]
+    NotAnImage { disk: usize },
     #[error("Cannot open disk {disk}'s image")]
     Image {
         disk: usize,
@@ -150,7 +152,7 @@ impl RestoreError {
             Self::Lease(LeaseError::Gone(_)) => "layer_gone",
             Self::ImageChanged { .. } => "image_changed",
             Self::ShapeMismatch { .. } | Self::ShellMismatch { .. } => "shape_mismatch",
-            Self::NeedVsockPath | Self::NeedNet => "bad_request",
+            Self::NeedVsockPath | Self::NeedNet | Self::NotAnImage { .. } => "bad_request",
             Self::NoPit | Self::Arch(_) => "kvm",
             Self::Vm(e) | Self::Resume(e) => e.code(),
             Self::Lease(_)
@@ -232,7 +234,13 @@ impl Vm {
         let t0 = std::time::Instant::now();
         let phase = |what: &str| log::debug!("restore: {what} at {:?}", t0.elapsed());
         let top = chain.last().ok_or(RestoreError::EmptyChain)?;
-        let st = VmState::decode(top.state())?;
+        let mut st = VmState::decode(top.state())?;
+        for (&disk, path) in &opts.image_paths {
+            match st.spec.disks.get_mut(disk) {
+                Some(d) if d.read_only => d.path = path.clone(),
+                _ => return Err(RestoreError::NotAnImage { disk }),
+            }
+        }
         let shape = top.shape();
         let mem_bytes = st.spec.mem_mib << 20;
         if shape.vcpus != st.spec.vcpus

@@ -52,6 +52,18 @@ pub struct DiskImage {
     pub identity: ImageIdentity,
 }
 
+/// A read-only disk's image as a snapshot records it
+/// ([`VmState::recorded_images`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecordedImage {
+    /// Indexes the snapshot's disks ([`crate::RestoreOptions::image_paths`]).
+    pub disk: usize,
+    /// The path its VM read it at.
+    pub path: std::path::PathBuf,
+    /// Which image it was; none in a version 2 blob.
+    pub identity: Option<ImageIdentity>,
+}
+
 /// Everything a snapshot saves of a VM besides its memory and disks.
 #[derive(Serialize, Deserialize)]
 pub struct VmState {
@@ -248,6 +260,31 @@ impl VmState {
             ));
         }
         Ok(st)
+    }
+
+    /// The read-only disks' images the snapshot or fork layer in `dir`
+    /// restores over, from its state blob alone (not verified here: a
+    /// restore verifies it, and checks each image it opens against it).
+    pub fn recorded_images(dir: &std::path::Path) -> std::io::Result<Vec<RecordedImage>> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(dir.join(snapshot::format::STATE_FILE))?
+            .take(snapshot::format::MAX_STATE_BYTES)
+            .read_to_end(&mut bytes)?;
+        let st = Self::decode(&bytes)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        Ok(st
+            .spec
+            .disks
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| d.read_only)
+            .map(|(disk, d)| RecordedImage {
+                disk,
+                path: d.path.clone(),
+                identity: st.image_of(disk),
+            })
+            .collect())
     }
 
     /// The image disk `disk` was restored over must be, when one was recorded.

@@ -188,8 +188,9 @@ impl Owner {
                 self.slot = Slot::Vm(Box::new(vm));
                 Ok((Response::Ok, After::Watch(exit)))
             }
-            Request::Restore(spec) => self.restore(spec, false),
-            Request::RestoreForkLayer(spec) => self.restore(spec, true),
+            Request::Restore(spec) => self.restore(spec, false, Default::default()),
+            Request::RestoreOver { spec, images } => self.restore(spec, false, images),
+            Request::RestoreForkLayer(spec) => self.restore(spec, true, Default::default()),
             Request::Pause => {
                 // The VM's run state refuses an impossible transition.
                 self.vm()?.pause().map_err(|e| vm_failed("pause", &e))?;
@@ -273,7 +274,12 @@ impl Owner {
         }
     }
 
-    fn restore(&mut self, spec: RestoreSpec, fork: bool) -> Result<(Response, After), Response> {
+    fn restore(
+        &mut self,
+        spec: RestoreSpec,
+        fork: bool,
+        images: std::collections::BTreeMap<usize, PathBuf>,
+    ) -> Result<(Response, After), Response> {
         let shell = match std::mem::replace(&mut self.slot, Slot::Empty) {
             Slot::Vm(vm) => {
                 self.slot = Slot::Vm(vm);
@@ -295,6 +301,7 @@ impl Owner {
         o.scratch_dir = self.scratch_dir.clone();
         o.instance_id = spec.instance_id;
         o.net = spec.net;
+        o.image_paths = images;
         let r = match (fork, shell) {
             (true, shell) => Vm::restore_fork_layer(&spec.dir, shell, o),
             (false, Some(shell)) => Vm::restore_in(shell, &spec.dir, o),

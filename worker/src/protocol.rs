@@ -203,6 +203,14 @@ pub enum Request {
     /// pause): answered with [`Response::Vcpus`]. For a watchdog that must
     /// tell a spinning guest from a vCPU that never runs.
     Vcpus,
+    /// [`Request::Restore`], with read-only disk `i`'s image read at
+    /// `images[i]` rather than where the snapshot recorded it
+    /// ([`vmm::RestoreOptions::image_paths`]). Last: a new kind, so every
+    /// other message keeps its encoding (no version bump).
+    RestoreOver {
+        spec: RestoreSpec,
+        images: std::collections::BTreeMap<usize, PathBuf>,
+    },
 }
 
 impl Request {
@@ -220,6 +228,7 @@ impl Request {
             Self::Metrics => "metrics",
             Self::Mailbox { .. } => "mailbox",
             Self::Vcpus => "vcpus",
+            Self::RestoreOver { .. } => "restore_over",
         }
     }
 }
@@ -435,6 +444,17 @@ mod tests {
                 prefetch: false,
                 net: None,
             }),
+            Request::RestoreOver {
+                spec: RestoreSpec {
+                    dir: "/tmp/s".into(),
+                    backend: Backend::Mmap,
+                    vsock_uds: None,
+                    instance_id: None,
+                    prefetch: true,
+                    net: None,
+                },
+                images: [(0, "/i/a.ext4".into()), (3, "/i/b.ext4".into())].into(),
+            },
             Request::Mailbox {
                 cpu: 1,
                 cmd: 2,

@@ -105,9 +105,12 @@ impl ImageIdentity {
     /// The identity of any file at `path` now (a disk image, or a kernel
     /// that stands for one), as [`FileDisk::identity`] has it for an image.
     pub fn of_path(path: &Path) -> io::Result<ImageIdentity> {
-        let f = File::open(path)?;
-        let size = f.metadata()?.len();
-        Self::of_file(&f, size)
+        Self::of_open(&File::open(path)?)
+    }
+
+    /// The identity of the open file `f` now.
+    pub fn of_open(f: &File) -> io::Result<ImageIdentity> {
+        Self::of_file(f, f.metadata()?.len())
     }
 
     fn of_file(f: &File, size: u64) -> io::Result<ImageIdentity> {
