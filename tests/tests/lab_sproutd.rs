@@ -598,8 +598,11 @@ fn exec_limits(out: &lab::LabOutput) {
 /// create builds its template, the second restores it; the image is then
 /// rebuilt (another mkfs: another superblock) and put in its place, as an
 /// update does. The next create builds the template again and its guest reads
-/// the new image whole. A user snapshot taken over the old image is refused
-/// over the new one, saying why, and restores again once the old one is back.
+/// the new image whole. A sandbox asleep across the rebuild, and a user
+/// snapshot taken over the old image, restore over the old image's version
+/// sproutd kept; with that gone too, the snapshot is refused, saying why, and
+/// restores again once the old image is back. A restart removes the kept
+/// versions nothing needs.
 const IMAGE_CHANGE: &str = r#"
 ip link set lo up 2>/dev/null || ifconfig lo 127.0.0.1 up 2>/dev/null
 export SPROUT_CACHE=/tmp/c
@@ -628,6 +631,7 @@ mk two
 put() { cp /tmp/mini-$1.ext4 /tmp/c/images/mini.tmp && mv /tmp/c/images/mini.tmp /tmp/c/images/mini.ext4; }
 put one
 sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >/tmp/sd.out 2>/tmp/sd.log &
+sdpid=$!
 i=0
 until sprout api GET /v1/health >/dev/null 2>&1; do
   i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start"; cat /tmp/sd.log; exit 10; }
@@ -657,20 +661,41 @@ mini='{"image":"mini","cpus":1,"memoryMb":256}'
 create first "$mini"
 echo "templates-1: $(api GET /v1/runtime/templates)"
 create second "$mini"
+second=$id
 snap=$(api POST /v1/runtime/vms/$id/snapshot '{}')
 echo "snapshot: $snap"
 sid=$(echo "$snap" | sed -n 's/.*"snapshotId":"\([^"]*\)".*/\1/p')
+# Asleep across the rebuild, with a process running.
+echo "bg: $(api POST /v1/runtime/vms/$second/exec '{"command":"/bin/sleep","argv":["7777"],"background":true}')"
+echo "sleep: $(api POST /v1/runtime/vms/$second/sleep '{}')"
 put two
 create third "$mini"
 echo "templates-2: $(api GET /v1/runtime/templates)"
+echo "kept-2: $(ls /tmp/sd/images | wc -l)"
+echo "woken-version: $(api POST /v1/runtime/vms/$second/exec '{"command":"cat","argv":["/etc/version"]}')"
+echo "woken-ps: $(api POST /v1/runtime/vms/$second/exec '{"command":"/bin/sh","argv":["-c","ps -o args | grep -c [7]777"]}')"
 create from-snapshot "{\"snapshot\":\"$sid\"}"
+# Its kept version gone too: refused, saying why.
+rm -f /tmp/sd/images/*.img
+create from-snapshot-gone "{\"snapshot\":\"$sid\"}"
 put one
 create from-snapshot-again "{\"snapshot\":\"$sid\"}"
 grep -i "building the template again" /tmp/sd.log | sed 's/^/log: /'
+# At start, sproutd removes the kept versions nothing needs.
+touch /tmp/sd/images/1-00000000000000000000000000000000.img
+kill $sdpid; wait $sdpid
+sprout daemon --listen 127.0.0.1:7070 --data-dir /tmp/sd >/tmp/sd.out 2>/tmp/sd2.log &
+i=0
+until sprout api GET /v1/health >/dev/null 2>&1; do
+  i=$((i+1)); [ $i -gt 600 ] && { echo "sproutd did not start again"; cat /tmp/sd2.log; exit 12; }
+  sleep 0.1
+done
+echo "kept-after-restart: $(ls /tmp/sd/images | tr '\n' ' ')"
+grep -i "image versions nothing" /tmp/sd2.log | sed 's/^/log2: /'
 "#;
 
 #[test]
-fn a_template_is_built_again_when_its_image_changes_and_a_snapshot_refuses_another_image() {
+fn a_template_is_built_again_when_its_image_changes_and_snapshots_keep_the_old_one() {
     let script = IMAGE_CHANGE.replace(
         "@INIT@",
         include_str!("../../guest/images/sprout-init").trim_end(),
@@ -722,14 +747,37 @@ fn a_template_is_built_again_when_its_image_changes_and_a_snapshot_refuses_anoth
             .any(|l| l.contains("not the one its template was built over")),
         "{o}"
     );
-    // The user snapshot over build one: refused over build two, naming
-    // the image and why; restored over build one again.
-    let refused = out.json("from-snapshot:");
+    // Build one was kept when its template booted, build two when its did.
+    assert_eq!(out.values("kept-2:"), ["2"], "{o}");
+    // The sandbox asleep across the rebuild wakes over build one, its
+    // process alive; the user snapshot over build one restores over it.
+    assert_eq!(exec_out("woken-version"), "one\n", "{o}");
+    assert_eq!(exec_out("woken-ps"), "1\n", "{o}");
+    assert_eq!(exec_out("from-snapshot-version"), "one\n", "{o}");
+    // With build one gone from everywhere: refused, naming the image and
+    // why; restored once build one is back in place.
+    let refused = out.json("from-snapshot-gone:");
     let msg = refused["error"]["message"].as_str().unwrap_or_default();
     assert!(
         msg.contains("/tmp/c/images/mini.ext4") && msg.contains("rebuilt or changed"),
         "{o}"
     );
-    assert!(out.values("from-snapshot-version:").is_empty(), "{o}");
+    assert!(out.values("from-snapshot-gone-version:").is_empty(), "{o}");
     assert_eq!(exec_out("from-snapshot-again-version"), "one\n", "{o}");
+    // The restart removed the version nothing needs, and kept build one's
+    // (kept again by that last restore, and its image's version now).
+    let kept = out.values("kept-after-restart:");
+    assert_eq!(kept.len(), 1, "{o}");
+    let kept: Vec<&str> = kept[0].split_whitespace().collect();
+    assert_eq!(kept.len(), 1, "{o}");
+    assert!(
+        kept[0].ends_with(".img") && !kept[0].starts_with("1-0"),
+        "{o}"
+    );
+    assert!(
+        out.values("log2:")
+            .iter()
+            .any(|l| l.contains("removed 1 image versions")),
+        "{o}"
+    );
 }

@@ -1423,6 +1423,58 @@ impl App {
         Ok((snap, out))
     }
 
+    /// At start: removes the kept image versions ([`super::pins`]) that no
+    /// snapshot here records, no sandbox's VM reads, and no image is now
+    /// (a template build started meanwhile keeps its image's version now).
+    /// All are kept while a snapshot is only in the object store (which
+    /// versions it needs is not known until it is downloaded).
+    pub async fn sweep_kept_images(self: &Arc<Self>) {
+        let snaps = match self.db(|r| r.list_snapshots()).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("cannot list snapshots: {}", e.message);
+                return;
+            }
+        };
+        let a = self.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let pins = &a.supervisor.pins;
+            let mut needed = std::collections::HashSet::new();
+            for s in &snaps {
+                match vmm::VmState::recorded_images(&s.dir) {
+                    Ok(imgs) => needed.extend(
+                        imgs.iter()
+                            .filter_map(|i| i.identity)
+                            .map(|v| pins.path_of(v)),
+                    ),
+                    Err(e) => {
+                        tracing::info!(
+                            "keeping every image version: snapshot {} is not readable here ({e})",
+                            s.id
+                        );
+                        return;
+                    }
+                }
+            }
+            needed.extend(
+                a.supervisor
+                    .sandbox_dirs()
+                    .filter_map(|d| super::pins::linked_from(&d)),
+            );
+            // The images' versions now: kept again at their next boot anyway.
+            needed.extend(a.images.iter().filter_map(|i| {
+                devices::virtio::block::ImageIdentity::of_path(&i.path)
+                    .ok()
+                    .map(|v| pins.path_of(v))
+            }));
+            let gone = pins.sweep(&needed);
+            if gone > 0 {
+                tracing::info!("removed {gone} image versions nothing here needs any more");
+            }
+        })
+        .await;
+    }
+
     /// At start: removes snapshot directories the registry has no record
     /// of (a write cut short by a crash, a collection whose records went
     /// but whose files did not).

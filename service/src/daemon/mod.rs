@@ -23,6 +23,7 @@ mod mirror;
 mod net;
 mod oci_images;
 pub mod openapi;
+mod pins;
 mod pool;
 mod ports;
 mod procs;
@@ -544,6 +545,8 @@ fn run(args: DaemonArgs) -> Result<(), DaemonError> {
         }
         app.sweep_orphan_snapshots().await;
         app.collect_garbage().await;
+        // After the collection: what it removed needs no image either.
+        app.sweep_kept_images().await;
         lifecycle::sweeper(&app);
         lifecycle::retention_sweeper(&app);
         app.start_uploader();

@@ -20,6 +20,7 @@
 //! them. A restore exposes every snapshot of the chain read-only into the
 //! new worker's jail, at the same paths.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -134,6 +135,60 @@ impl Supervisor {
         })
     }
 
+    /// Where the restore of the snapshot in `top` into sandbox `id` (whose
+    /// directory is `dir`) reads each image it was taken over: where the
+    /// image is now (`current`) while it is that version, else the version
+    /// kept when it was booted ([`super::pins`]). Returns the files to
+    /// expose to the worker, and the images read elsewhere than the
+    /// snapshot records. An image found nowhere is left to the restore to
+    /// refuse, with its name and both versions (`image_changed`).
+    fn place_images(
+        &self,
+        id: Uuid,
+        dir: &Path,
+        top: &Path,
+        current: Option<&PathBuf>,
+    ) -> (Vec<PathBuf>, BTreeMap<usize, PathBuf>) {
+        let recorded = match vmm::VmState::recorded_images(top) {
+            Ok(r) => r,
+            // Not readable: the restore says why.
+            Err(_) => return (current.cloned().into_iter().collect(), BTreeMap::new()),
+        };
+        let current = current.map(PathBuf::as_path);
+        let (mut expose, mut elsewhere) = (Vec::new(), BTreeMap::new());
+        for img in recorded {
+            // From before images were identified: where it is now, unchecked.
+            let Some(version) = img.identity else {
+                expose.extend(current.map(Path::to_owned));
+                continue;
+            };
+            let Some(at) = self.pins.find(version, current) else {
+                expose.extend(current.map(Path::to_owned));
+                continue;
+            };
+            // Kept too when it is still where it was (made on another node,
+            // or swept): it may be rebuilt while this sandbox lives.
+            if Some(at.as_path()) == current && !self.pins.path_of(version).exists() {
+                if let Err(e) = self.pins.keep(&at) {
+                    tracing::warn!(vm = %id, "cannot keep image {}: {e}", at.display());
+                }
+            }
+            if let Err(e) = super::pins::link_from(dir, &self.pins.path_of(version)) {
+                tracing::warn!(vm = %id, "cannot name its image in {}: {e}", dir.display());
+            }
+            // As the worker sees it: exposed files are at their canonical paths.
+            let seen = at.canonicalize().unwrap_or_else(|_| at.clone());
+            if seen != img.path {
+                elsewhere.insert(img.disk, seen);
+            }
+            expose.push(at);
+        }
+        if expose.is_empty() {
+            expose.extend(current.map(Path::to_owned));
+        }
+        (expose, elsewhere)
+    }
+
     /// Starts a worker for `s` and restores into it the snapshot whose
     /// chain is `dirs` (base first, the snapshot itself last); `read_only`
     /// are the files its VM reads but the snapshot does not hold (its base
@@ -182,10 +237,11 @@ impl Supervisor {
                 (w, None)
             }
         };
+        let (read_only, images) = self.place_images(s.id, &dir, &top, read_only.first());
         let exposed = match &worker.jail {
             None => Ok(()),
             Some(j) => std::iter::once((rw.as_path(), false))
-                .chain(dirs.iter().chain(read_only).map(|d| (d.as_path(), true)))
+                .chain(dirs.iter().chain(&read_only).map(|d| (d.as_path(), true)))
                 .try_for_each(|(p, ro)| j.expose(p, ro).map(|_| ()))
                 .map_err(|e| format!("Cannot expose the snapshot to the jail: {}", chain(&e))),
         };
@@ -199,7 +255,12 @@ impl Supervisor {
                 // A snapshot with no network device ignores it.
                 net: self.net_config(s.id),
             };
-            let r = match worker.client.call(&Request::Restore(spec)) {
+            let req = if images.is_empty() {
+                Request::Restore(spec)
+            } else {
+                Request::RestoreOver { spec, images }
+            };
+            let r = match worker.client.call(&req) {
                 Ok(Response::Ok) => worker.client.describe(),
                 Ok(_) => Err(sprout_worker::ClientError::Unexpected("restore", "answer")),
                 Err(e) => Err(e),

@@ -103,6 +103,8 @@ pub struct Supervisor {
     /// Linux sandboxes' VMs get a network device on their worker's TAP
     /// (see [`super::net`]).
     pub(super) net: bool,
+    /// The image versions VMs here booted over (see [`super::pins`]).
+    pub(super) pins: super::pins::Pins,
 }
 
 impl Supervisor {
@@ -136,6 +138,7 @@ impl Supervisor {
             jails_dir,
             snapshots_dir: data_dir.join(super::store::SNAPSHOTS_DIR),
             net: false,
+            pins: super::pins::Pins::new(data_dir),
         }
     }
 
@@ -153,6 +156,15 @@ impl Supervisor {
 
     pub fn vm_dir(&self, id: Uuid) -> PathBuf {
         self.vms_dir.join(id.to_string())
+    }
+
+    /// Every sandbox's directory.
+    pub(super) fn sandbox_dirs(&self) -> impl Iterator<Item = PathBuf> {
+        std::fs::read_dir(&self.vms_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
     }
 
     /// Whether workers start jailed.
@@ -305,6 +317,11 @@ impl Supervisor {
                     (spawned.elapsed() - up).as_micros(),
                     if ready_dir.is_some() { " (a ready worker)" } else { "" }
                 );
+                if guest == GuestKind::Linux {
+                    if let Some(image) = image_path {
+                        self.keep_image(s.id, &dir, image);
+                    }
+                }
                 Ok(Booted {
                     vsock: d.vsock_uds,
                     worker,
@@ -327,6 +344,25 @@ impl Supervisor {
                 };
                 Err(BootError::Failed(format!("{e}{tails}")))
             }
+        }
+    }
+
+    /// Keeps the version of `image` that sandbox `id`'s VM (in `dir`) just
+    /// booted over, and names it in `dir`: a snapshot of it restores over
+    /// that version once the image is rebuilt. A failure is logged: it
+    /// costs only that.
+    fn keep_image(&self, id: Uuid, dir: &Path, image: &Path) {
+        let kept = self
+            .pins
+            .keep(image)
+            .and_then(|(_, kept)| super::pins::link_from(dir, &kept));
+        if let Err(e) = kept {
+            tracing::warn!(
+                vm = %id,
+                "cannot keep this version of image {}: {e}; its snapshots cannot be restored \
+                 once it is rebuilt",
+                image.display()
+            );
         }
     }
 
