@@ -435,24 +435,8 @@ fn a_snapshot_is_sealed_as_written_and_a_change_after_is_refused() {
 #[test]
 fn a_restore_over_a_changed_read_only_image_is_refused() {
     let dir = TempDir::new("snap-image");
-    let image = dir.path().join("image.img");
-    let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
-    std::fs::write(&image, &bytes).unwrap();
-    let (mut cfg, console) = config(1, 128);
-    cfg.disks = vec![DiskConfig {
-        path: image.clone(),
-        read_only: true,
-        id: "image".into(),
-        base: None,
-    }];
-    let mut vm = boot(cfg, &console);
-    let buf = TESTGUEST_SCRATCH;
-    let sector = |vm: &Vm| {
-        call(vm, 0, mb::CMD_BLK_READ, [0, 9, buf, 1]);
-        let mut got = vec![0u8; 512];
-        vm.memory().read_slice(&mut got, GuestAddress(buf)).unwrap();
-        got
-    };
+    let (image, bytes, mut vm) = boot_over_image(&dir, 253);
+    let sector = |vm: &Vm| read_sector(vm, 9);
     assert_eq!(sector(&vm), bytes[9 * 512..10 * 512]);
     let snap = dir.path().join("snap");
     vm.snapshot(&snap, SnapshotKind::Full).unwrap();
@@ -498,27 +482,10 @@ fn a_restore_over_a_changed_read_only_image_is_refused() {
 #[test]
 fn a_read_only_image_can_be_given_at_another_path() {
     let dir = TempDir::new("snap-image-path");
-    let image = dir.path().join("image.img");
-    let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
-    std::fs::write(&image, &bytes).unwrap();
-    let (mut cfg, console) = config(1, 128);
-    cfg.disks = vec![DiskConfig {
-        path: image.clone(),
-        read_only: true,
-        id: "image".into(),
-        base: None,
-    }];
-    let vm = boot(cfg, &console);
-    let buf = TESTGUEST_SCRATCH;
-    let sector = |vm: &Vm| {
-        call(vm, 0, mb::CMD_BLK_READ, [0, 5, buf, 1]);
-        let mut got = vec![0u8; 512];
-        vm.memory().read_slice(&mut got, GuestAddress(buf)).unwrap();
-        got
-    };
+    let (image, bytes, mut vm) = boot_over_image(&dir, 251);
+    let sector = |vm: &Vm| read_sector(vm, 5);
     assert_eq!(sector(&vm), bytes[5 * 512..6 * 512]);
     let snap = dir.path().join("snap");
-    let mut vm = vm;
     vm.snapshot(&snap, SnapshotKind::Full).unwrap();
     drop(vm);
     let identity = devices::virtio::block::ImageIdentity::of_path(&image).unwrap();
@@ -561,6 +528,32 @@ fn a_read_only_image_can_be_given_at_another_path() {
         .expect("restored with a bad disk");
     assert_eq!(e.code(), "bad_request", "{e}");
     assert!(e.to_string().contains("Disk 1"), "{e}");
+}
+
+/// A test guest VM over a 1 MiB read-only image of bytes `i % modulus`
+/// in `dir`: the image's path, its bytes, the VM.
+fn boot_over_image(dir: &TempDir, modulus: u32) -> (std::path::PathBuf, Vec<u8>, Vm) {
+    let image = dir.path().join("image.img");
+    let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % modulus) as u8).collect();
+    std::fs::write(&image, &bytes).unwrap();
+    let (mut cfg, console) = config(1, 128);
+    cfg.disks = vec![DiskConfig {
+        path: image.clone(),
+        read_only: true,
+        id: "image".into(),
+        base: None,
+    }];
+    (image, bytes, boot(cfg, &console))
+}
+
+/// Sector `n` of the VM's image, as its guest reads it.
+fn read_sector(vm: &Vm, n: u64) -> Vec<u8> {
+    call(vm, 0, mb::CMD_BLK_READ, [0, n, TESTGUEST_SCRATCH, 1]);
+    let mut got = vec![0u8; 512];
+    vm.memory()
+        .read_slice(&mut got, GuestAddress(TESTGUEST_SCRATCH))
+        .unwrap();
+    got
 }
 
 fn anyhow_chain(e: &dyn std::error::Error) -> String {
