@@ -658,23 +658,15 @@ async fn an_idle_sandbox_sleeps_within_seconds_of_its_timeout() {
     d.stop();
 }
 
-/// A hibernated sandbox whose memory snapshot no longer verifies is woken
-/// by a cold boot from its disk, and the answer says so and why.
-#[tokio::test]
-async fn a_wake_whose_snapshot_is_damaged_cold_boots_and_says_so() {
-    let (_t, dir) = data_dir();
-    let c = Client::new();
-    let d = Daemon::start(&dir);
-    let (id, _) = schedule_testguest(&c, &d).await;
-    let before: std::collections::BTreeSet<String> = snapshot_dirs(&d).into_iter().collect();
-    op(&c, &d, &id, "hibernate", json!({})).await;
-    let after: Vec<String> = snapshot_dirs(&d)
+/// Flips a byte of the memory layer of the one snapshot not in `before`:
+/// it no longer verifies.
+fn damage_the_new_snapshot(d: &Daemon, before: &std::collections::BTreeSet<String>) {
+    let after: Vec<String> = snapshot_dirs(d)
         .into_iter()
         .filter(|s| !before.contains(s))
         .collect();
     assert_eq!(after.len(), 1, "one new snapshot: {after:?}");
-    // Flip a byte of its memory layer: it no longer verifies.
-    let snap = snapshot_path(&d, &after[0]).join("s");
+    let snap = snapshot_path(d, &after[0]).join("s");
     let mem = std::fs::read_dir(&snap)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -690,11 +682,53 @@ async fn a_wake_whose_snapshot_is_damaged_cold_boots_and_says_so() {
     let at = bytes.iter().position(|b| *b != 0).unwrap_or(0);
     bytes[at] ^= 0xff;
     std::fs::write(&mem, bytes).unwrap();
+}
+
+/// A hibernated sandbox whose memory snapshot no longer verifies is woken
+/// by a cold boot from its disk, and the answer says so and why. A sleeping
+/// one is not failed for it: its wake is refused, saying why, and it is
+/// hibernated, whose wake then boots its disk.
+#[tokio::test]
+async fn a_wake_whose_snapshot_is_damaged_cold_boots_and_says_so() {
+    let (_t, dir) = data_dir();
+    let c = Client::new();
+    let d = Daemon::start(&dir);
+    let (id, _) = schedule_testguest(&c, &d).await;
+    let before = snapshot_dirs(&d).into_iter().collect();
+    op(&c, &d, &id, "hibernate", json!({})).await;
+    damage_the_new_snapshot(&d, &before);
     let v = op(&c, &d, &id, "wake", json!({})).await;
     assert_eq!(v["coldBoot"], true, "{v}");
     assert!(!v["coldBootReason"].as_str().unwrap().is_empty(), "{v}");
     assert_eq!(v["vm"]["state"], "running");
     answers(&d, &id, "cold booted");
+
+    let (id, _) = schedule_testguest(&c, &d).await;
+    let before = snapshot_dirs(&d).into_iter().collect();
+    op(&c, &d, &id, "sleep", json!({})).await;
+    damage_the_new_snapshot(&d, &before);
+    let r = post(&c, &d, &format!("/v1/runtime/vms/{id}/wake"), json!({})).await;
+    assert_eq!(r.status(), 502);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "snapshot_failed", "{e}");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("Cannot restore its memory") && msg.contains("hibernated now"),
+        "{msg}"
+    );
+    let v = vm(&c, &d, &id).await;
+    assert_eq!(v["state"], "hibernated", "{v}");
+    assert!(
+        v["failureReason"]
+            .as_str()
+            .is_some_and(|r| r.contains("Cannot restore its memory")),
+        "{v}"
+    );
+    let v = op(&c, &d, &id, "wake", json!({})).await;
+    assert_eq!(v["coldBoot"], true, "{v}");
+    assert_eq!(v["vm"]["state"], "running");
+    assert!(v["vm"]["failureReason"].is_null(), "{v}");
+    answers(&d, &id, "cold booted from sleep");
     d.stop();
 }
 

@@ -944,7 +944,8 @@ impl App {
 
     /// Wakes a sleeping (or, unless `sleeping_only`, hibernated) sandbox:
     /// restores its rest snapshot into a new worker. A hibernated one whose
-    /// memory cannot be restored is booted from its saved disk instead.
+    /// memory cannot be restored is booted from its saved disk instead; a
+    /// sleeping one becomes hibernated, and the error says so.
     pub async fn wake(self: &Arc<Self>, id: Uuid, sleeping_only: bool) -> Result<Woken, ApiError> {
         let (_g, s) = self.locked(id).await?;
         match s.state {
@@ -968,12 +969,32 @@ impl App {
                     cold_boot: Some(e.message),
                 }
             }
+            // Asleep: its memory and disk are still all in its rest
+            // snapshot, and a failed wake never loses them. A worker that
+            // could not start leaves it asleep (the next call tries again);
+            // memory that cannot be restored leaves it hibernated, whose
+            // wake boots its disk.
+            Err(e) if e.code == Code::WorkerFailed => {
+                return Err(ApiError::new(
+                    e.code,
+                    format!(
+                        "Sandbox {id} is still asleep: cannot wake it: {}",
+                        e.message
+                    ),
+                ));
+            }
             Err(e) => {
-                let why = format!("Cannot wake: {}", e.message);
+                let why = format!("Cannot restore its memory: {}", e.message);
                 let w = why.clone();
-                self.db(move |r| r.set_state(id, State::Failed, Some(&w)))
+                self.db(move |r| r.set_state(id, State::Hibernated, Some(&w)))
                     .await?;
-                return Err(ApiError::new(e.code, format!("Sandbox {id}: {why}")));
+                return Err(ApiError::new(
+                    e.code,
+                    format!(
+                        "Sandbox {id}: {why}. It is hibernated now, its files kept: \
+                         POST /v1/runtime/vms/{id}/wake boots it from its disk"
+                    ),
+                ));
             }
         };
         self.db(move |r| r.set_snapshots(id, Some(rest), None).map(|_| ()))
