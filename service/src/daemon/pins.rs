@@ -22,6 +22,7 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use devices::virtio::block::ImageIdentity;
 
@@ -39,12 +40,15 @@ static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
 
 pub struct Pins {
     dir: PathBuf,
+    /// Versions being copied now: one copy each.
+    copying: Arc<Mutex<HashSet<PathBuf>>>,
 }
 
 impl Pins {
     pub fn new(data_dir: &Path) -> Self {
         Self {
             dir: data_dir.join(PINS_DIR),
+            copying: Default::default(),
         }
     }
 
@@ -91,7 +95,10 @@ impl Pins {
                 );
             }
             Err(rustix::io::Errno::XDEV) => {
-                let (image, to) = (image.to_owned(), kept.clone());
+                if !lock(&self.copying).insert(kept.clone()) {
+                    return Ok((id, kept));
+                }
+                let (image, to, copying) = (image.to_owned(), kept.clone(), self.copying.clone());
                 std::thread::Builder::new()
                     .name("sprout-keep-image".into())
                     .spawn(move || {
@@ -113,6 +120,10 @@ impl Pins {
                                 );
                             }
                         }
+                        lock(&copying).remove(&to);
+                    })
+                    .inspect_err(|_| {
+                        lock(&self.copying).remove(&kept);
                     })?;
             }
             Err(e) => return Err(e.into()),
@@ -130,8 +141,9 @@ impl Pins {
         kept.is_file().then_some(kept)
     }
 
-    /// Removes every kept version not in `needed`, and copies cut short.
-    /// Returns how many went.
+    /// Removes every kept version not in `needed`, and copies another
+    /// process cut short (this one's may be under way). Returns how many
+    /// went.
     pub fn sweep(&self, needed: &HashSet<PathBuf>) -> usize {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return 0;
@@ -139,7 +151,8 @@ impl Pins {
         let mut gone = 0;
         for e in rd.flatten() {
             let p = e.path();
-            if needed.contains(&p) {
+            let mine = format!(".tmp-{}-", std::process::id());
+            if needed.contains(&p) || e.file_name().to_string_lossy().starts_with(&mine) {
                 continue;
             }
             match std::fs::remove_file(&p) {
@@ -157,6 +170,10 @@ impl Pins {
             TMP_SEQ.fetch_add(1, Ordering::Relaxed)
         ))
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Points `dir`'s [`IMAGE_LINK`] at `kept`.

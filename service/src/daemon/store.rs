@@ -140,8 +140,9 @@ impl Supervisor {
     /// image is now (`current`) while it is that version, else the version
     /// kept when it was booted ([`super::pins`]). Returns the files to
     /// expose to the worker, and the images read elsewhere than the
-    /// snapshot records. An image found nowhere is left to the restore to
-    /// refuse, with its name and both versions (`image_changed`).
+    /// snapshot records. A version found nowhere is read where the image is
+    /// now, for the restore to refuse, naming it and both versions
+    /// (`image_changed`).
     fn place_images(
         &self,
         id: Uuid,
@@ -162,20 +163,28 @@ impl Supervisor {
                 expose.extend(current.map(Path::to_owned));
                 continue;
             };
-            let Some(at) = self.pins.find(version, current) else {
-                expose.extend(current.map(Path::to_owned));
-                continue;
-            };
-            // Kept too when it is still where it was (made on another node,
-            // or swept): it may be rebuilt while this sandbox lives.
-            if Some(at.as_path()) == current && !self.pins.path_of(version).exists() {
-                if let Err(e) = self.pins.keep(&at) {
-                    tracing::warn!(vm = %id, "cannot keep image {}: {e}", at.display());
+            let at = match self.pins.find(version, current) {
+                Some(at) => {
+                    // Kept too when it is still where it was (made on
+                    // another node, or swept): it may be rebuilt while this
+                    // sandbox lives.
+                    if Some(at.as_path()) == current && !self.pins.path_of(version).exists() {
+                        if let Err(e) = self.pins.keep(&at) {
+                            tracing::warn!(vm = %id, "cannot keep image {}: {e}", at.display());
+                        }
+                    }
+                    if let Err(e) = super::pins::link_from(dir, &self.pins.path_of(version)) {
+                        tracing::warn!(vm = %id, "cannot name its image in {}: {e}", dir.display());
+                    }
+                    at
                 }
-            }
-            if let Err(e) = super::pins::link_from(dir, &self.pins.path_of(version)) {
-                tracing::warn!(vm = %id, "cannot name its image in {}: {e}", dir.display());
-            }
+                // Over the image as it is now, whose restore is refused
+                // naming it (the path recorded may be a build long gone).
+                None => match current {
+                    Some(c) => c.to_owned(),
+                    None => continue,
+                },
+            };
             // As the worker sees it: exposed files are at their canonical paths.
             let seen = at.canonicalize().unwrap_or_else(|_| at.clone());
             if seen != img.path {
