@@ -13,8 +13,9 @@
 //!
 //! What is kept goes when nothing needs it: at start, versions that no
 //! snapshot on this node records and no sandbox's VM reads are removed
-//! ([`Pins::sweep`]). Each sandbox's directory names the version its VM
-//! reads ([`IMAGE_LINK`]).
+//! ([`Pins::sweep`]). A restored sandbox's version is its snapshot's (kept
+//! while it lives: it was made from it); a booted one's directory names
+//! the version it booted over ([`IMAGE_LINK`]).
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -26,8 +27,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use devices::virtio::block::ImageIdentity;
 
-/// In a sandbox's directory: a link to the kept version of the image its VM
-/// reads (which may be on its way: a copy is made in the background).
+/// In a booted sandbox's directory: a link to the kept version of the
+/// image its VM booted over (which may be on its way: a copy is made in
+/// the background).
 pub const IMAGE_LINK: &str = "image";
 /// `<data dir>/images`.
 pub const PINS_DIR: &str = "images";

@@ -135,8 +135,8 @@ impl Supervisor {
         })
     }
 
-    /// Where the restore of the snapshot in `top` into sandbox `id` (whose
-    /// directory is `dir`) reads each image it was taken over: where the
+    /// Where the restore of the snapshot in `top` into sandbox `id` reads
+    /// each image it was taken over: where the
     /// image is now (`current`) while it is that version, else the version
     /// kept when it was booted ([`super::pins`]). Returns the files to
     /// expose to the worker, and the images read elsewhere than the
@@ -146,7 +146,6 @@ impl Supervisor {
     fn place_images(
         &self,
         id: Uuid,
-        dir: &Path,
         top: &Path,
         current: Option<&PathBuf>,
     ) -> (Vec<PathBuf>, BTreeMap<usize, PathBuf>) {
@@ -172,9 +171,6 @@ impl Supervisor {
                         if let Err(e) = self.pins.keep(&at) {
                             tracing::warn!(vm = %id, "cannot keep image {}: {e}", at.display());
                         }
-                    }
-                    if let Err(e) = super::pins::link_from(dir, &self.pins.path_of(version)) {
-                        tracing::warn!(vm = %id, "cannot name its image in {}: {e}", dir.display());
                     }
                     at
                 }
@@ -246,7 +242,7 @@ impl Supervisor {
                 (w, None)
             }
         };
-        let (read_only, images) = self.place_images(s.id, &dir, &top, read_only.first());
+        let (read_only, images) = self.place_images(s.id, &top, read_only.first());
         let exposed = match &worker.jail {
             None => Ok(()),
             Some(j) => std::iter::once((rw.as_path(), false))
