@@ -136,13 +136,12 @@ impl Supervisor {
     }
 
     /// Where the restore of the snapshot in `top` into sandbox `id` reads
-    /// each image it was taken over: where the
-    /// image is now (`current`) while it is that version, else the version
-    /// kept when it was booted ([`super::pins`]). Returns the files to
-    /// expose to the worker, and the images read elsewhere than the
-    /// snapshot records. A version found nowhere is read where the image is
-    /// now, for the restore to refuse, naming it and both versions
-    /// (`image_changed`).
+    /// each image it was taken over: where the image is now (`current`)
+    /// while it is that version, else the version kept when it was booted
+    /// ([`super::pins`]). Returns the files to expose to the worker, and
+    /// the images read elsewhere than the snapshot records. A version found
+    /// nowhere is read where the image is now, for the restore to refuse,
+    /// naming it and both versions (`image_changed`).
     fn place_images(
         &self,
         id: Uuid,
