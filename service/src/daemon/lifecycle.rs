@@ -1444,9 +1444,10 @@ impl App {
         Ok((snap, out))
     }
 
-    /// At start: removes the kept image versions ([`super::pins`]) that no
-    /// snapshot here records, no sandbox's VM reads, and no image is now
-    /// (a template build started meanwhile keeps its image's version now).
+    /// At start and hourly: removes the kept image versions
+    /// ([`super::pins`]) that no snapshot here records, no sandbox's VM
+    /// reads, and no image is now (a boot or restore meanwhile keeps its
+    /// image's version now, or its snapshot's).
     /// All are kept while a snapshot is only in the object store (which
     /// versions it needs is not known until it is downloaded).
     pub async fn sweep_kept_images(self: &Arc<Self>) {
@@ -1688,9 +1689,15 @@ pub fn retention_sweeper(app: &Arc<App>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(3600));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut at_start = true;
         loop {
             tick.tick().await;
             app.retain_by_age().await;
+            // Hourly too, for a sproutd that runs across image rebuilds (at
+            // start it ran before the API served).
+            if !std::mem::take(&mut at_start) {
+                app.sweep_kept_images().await;
+            }
         }
     });
 }

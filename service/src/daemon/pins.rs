@@ -1,7 +1,8 @@
 //! Every version of a read-only image that VMs here booted over, kept in
 //! `<data dir>/images/` as `<size>-<head hash>.img`, named by its
-//! [`ImageIdentity`]: a hard link to the image file (a sparse copy when the
-//! image is on another file system, as the lab's image disk is).
+//! [`ImageIdentity`]: a hard link to the image file (a sparse copy when it
+//! cannot be linked: the image is on another file system, as the lab's
+//! image disk is, or it is another user's).
 //!
 //! A snapshot records the path and identity of each image its VM read, and
 //! the guest's memory holds that image's file system state: it can only be
@@ -11,9 +12,9 @@
 //! restore reads the image where it is now when it is still the same
 //! version, else its kept version here ([`Pins::find`]).
 //!
-//! What is kept goes when nothing needs it: at start, versions that no
-//! snapshot on this node records and no sandbox's VM reads are removed
-//! ([`Pins::sweep`]). A restored sandbox's version is its snapshot's (kept
+//! What is kept goes when nothing needs it: at start and hourly, versions
+//! that no snapshot on this node records and no sandbox's VM reads are
+//! removed ([`Pins::sweep`]). A restored sandbox's version is its snapshot's (kept
 //! while it lives: it was made from it); a booted one's directory names
 //! the version it booted over ([`IMAGE_LINK`]).
 
@@ -98,7 +99,14 @@ impl Pins {
                     kept.display()
                 );
             }
-            Err(rustix::io::Errno::XDEV) => {
+            // Another file system, links refused (`protected_hardlinks`
+            // for an image of another user's), too many, or none at all.
+            Err(
+                rustix::io::Errno::XDEV
+                | rustix::io::Errno::PERM
+                | rustix::io::Errno::MLINK
+                | rustix::io::Errno::OPNOTSUPP,
+            ) => {
                 if !lock(&self.copying).insert(kept.clone()) {
                     return Ok((id, kept));
                 }
