@@ -14,9 +14,9 @@
 //!
 //! What is kept goes when nothing needs it: at start and hourly, versions
 //! that no snapshot on this node records and no sandbox's VM reads are
-//! removed ([`Pins::sweep`]). A restored sandbox's version is its snapshot's (kept
-//! while it lives: it was made from it); a booted one's directory names
-//! the version it booted over ([`IMAGE_LINK`]).
+//! removed ([`Pins::sweep`]). A restored sandbox's version is its
+//! snapshot's (kept while it lives: it was made from it); a booted one's
+//! directory names the version it booted over ([`IMAGE_LINK`]).
 
 use std::collections::HashSet;
 use std::fs::File;
@@ -65,8 +65,8 @@ impl Pins {
 
     /// Keeps the image at `image` as it is now, and returns its version
     /// and where it is kept (nothing is done when it is kept already). A
-    /// hard link is made at once; a copy (the image is on another file
-    /// system) is made on a thread of its own, whose failure is logged.
+    /// hard link is made at once; a copy (where the image cannot be linked)
+    /// is made on a thread of its own, whose failure is logged.
     pub fn keep(&self, image: &Path) -> io::Result<(ImageIdentity, PathBuf)> {
         // Identified and linked through one open file: an image replaced
         // in between cannot be kept under another's name.
@@ -164,10 +164,10 @@ impl Pins {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return 0;
         };
+        let mine = format!(".tmp-{}-", std::process::id());
         let mut gone = 0;
         for e in rd.flatten() {
             let p = e.path();
-            let mine = format!(".tmp-{}-", std::process::id());
             if needed.contains(&p) || e.file_name().to_string_lossy().starts_with(&mine) {
                 continue;
             }
