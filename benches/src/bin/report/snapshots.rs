@@ -59,18 +59,44 @@ pub fn scratch() -> anyhow::Result<Dir> {
 }
 
 /// The type of the filesystem `path` is on, from /proc/mounts (the longest
-/// mount point above it), or "an unknown filesystem".
+/// mount point above it), or "an unknown filesystem". An ext4 without a
+/// journal says so: it will not reuse an inode freed in the last minutes,
+/// so creating files there slows as fork layers come and go
+/// (docs/benchmarks.md).
 fn fs_type(path: &Path) -> String {
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    mounts
+    let Some((_, ty, dev)) = mounts
         .lines()
         .filter_map(|l| {
             let mut f = l.split_whitespace();
-            let (_, at, ty) = (f.next()?, f.next()?, f.next()?);
-            path.starts_with(at).then(|| (at.len(), ty.to_string()))
+            let (dev, at, ty) = (f.next()?, f.next()?, f.next()?);
+            path.starts_with(at)
+                .then(|| (at.len(), ty.to_string(), dev.to_string()))
         })
         .max()
-        .map_or_else(|| "an unknown filesystem".into(), |(_, ty)| ty)
+    else {
+        return "an unknown filesystem".into();
+    };
+    if ty == "ext4" && ext4_journal(&dev) == Some(false) {
+        return "ext4 without a journal (slow to create files after deleting \
+                many: docs/benchmarks.md)"
+            .into();
+    }
+    ty
+}
+
+/// Whether the ext4 on block device `dev` (`/dev/vda`) has a journal: jbd2
+/// lists each journal it runs in /proc/fs/jbd2 as `<device>-<inode>`. None
+/// when that cannot be read.
+fn ext4_journal(dev: &str) -> Option<bool> {
+    let name = Path::new(dev).file_name()?.to_str()?;
+    let prefix = format!("{name}-");
+    let entries = std::fs::read_dir("/proc/fs/jbd2").ok()?;
+    Some(
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with(&prefix)),
+    )
 }
 
 fn restore_opts(backend: MemoryBackend, prefetch: bool, dir: &Path) -> RestoreOptions {
