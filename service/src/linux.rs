@@ -619,13 +619,17 @@ pub struct Restore {
     /// Where the VM's vsock device listens; a private temporary path if `None`.
     pub vsock_uds: Option<PathBuf>,
     pub api_sock: Option<PathBuf>,
+    /// Linux guests only: no identity refresh (the guest as it was, for
+    /// replaying one state; see `sprout vm restore --keep-identity`).
+    pub keep_identity: bool,
     /// Linux guests only.
     pub job: Job,
 }
 
 /// Restores a snapshot of either guest and runs it like `sprout vm run`. A
 /// Linux guest's agent is sent a new identity (instance id, clock, entropy)
-/// before anything else reaches it. The exit status as [`run`]'s.
+/// before anything else reaches it, unless `keep_identity`. The exit status
+/// as [`run`]'s.
 pub fn restore(r: Restore) -> Result<u8, LinuxError> {
     let scratch = Scratch::new().map_err(|e| LinuxError::Disk(std::env::temp_dir(), e))?;
     let uds = r
@@ -654,7 +658,7 @@ pub fn restore(r: Restore) -> Result<u8, LinuxError> {
             &r.job,
             r.api_sock.as_deref(),
             &console,
-            true,
+            !r.keep_identity,
             started,
         )?
     };

@@ -21,6 +21,9 @@ fn secs(v: &str) -> f64 {
         .unwrap_or_else(|_| panic!("{v:?} is not a time in seconds"))
 }
 
+/// Three restores take new identities; a fourth with `--keep-identity` is
+/// the guest exactly as it was (its clock behind, its host name the
+/// parent's).
 #[test]
 fn a_restored_guest_keeps_processes_and_files_and_takes_a_new_identity() {
     let script = format!(
@@ -46,10 +49,11 @@ echo note: $(cat /workspace/note)
 echo uuid: $(cat /proc/sys/kernel/random/uuid) $(cat /proc/sys/kernel/random/uuid)
 echo host: $(hostname)
 EOF
-for b in mmap uffd uffd; do
+for b in mmap uffd uffd keep; do
   rm -f /tmp/got
   echo "host-before: $(now)"
-  sprout vm restore /tmp/snap --memory-backend $b --put /tmp/g.sh:g.sh --exec 'sh /workspace/g.sh' \
+  case $b in keep) o='--memory-backend mmap --keep-identity' ;; *) o="--memory-backend $b" ;; esac
+  sprout vm restore /tmp/snap $o --put /tmp/g.sh:g.sh --exec 'sh /workspace/g.sh' \
     --get note:/tmp/got
   echo "status: $?"
   echo "got: $(cat /tmp/got)"
@@ -60,7 +64,7 @@ done
     let out = lab::run(&script);
     out.assert_success();
     let o = &out.stdout;
-    assert_eq!(out.values("status:"), ["0", "0", "0"], "{o}");
+    assert_eq!(out.values("status:"), ["0", "0", "0", "0"], "{o}");
     // The process that advanced the counter runs on from the snapshot's value.
     let at_snap: u64 = out.values("at-snapshot:")[0].parse().unwrap();
     let c: Vec<u64> = out
@@ -73,7 +77,7 @@ done
         .iter()
         .map(|v| v.parse().unwrap())
         .collect();
-    assert_eq!(c.len(), 3, "{o}");
+    assert_eq!(c.len(), 4, "{o}");
     for (a, b) in c.iter().zip(&later) {
         // Taken just before the snapshot's answer, so a step or two either way.
         // at-snapshot was read just after the snapshot: a few steps later.
@@ -86,9 +90,9 @@ done
             "the guest's process did not run on: {c:?} -> {later:?}\n{o}"
         );
     }
-    assert_eq!(out.values("note:"), ["kept", "kept", "kept"], "{o}");
+    assert_eq!(out.values("note:"), ["kept"; 4], "{o}");
     // --get brought the guest's file out.
-    assert_eq!(out.values("got:"), ["kept", "kept", "kept"], "{o}");
+    assert_eq!(out.values("got:"), ["kept"; 4], "{o}");
     // The wall clock was set from the host's: within 1 s of it.
     let (before, after, guest) = (
         out.values("host-before:"),
@@ -104,14 +108,27 @@ done
             after[i]
         );
     }
+    // --keep-identity: nobody set the clock, which went on from the
+    // snapshot's instant, seconds ago (the sleep and three restores).
+    let g = secs(guest[3]);
+    assert!(
+        g < secs(before[3]) - 2.0,
+        "kept identity: guest clock {g} is not behind the host's {}\n{o}",
+        before[3]
+    );
     // A reseeded CRNG: no two restores give the same UUID sequence.
     let uuids: Vec<&str> = out.values("uuid:");
-    assert_eq!(uuids.len(), 3, "{o}");
-    assert_eq!(uuids.iter().collect::<HashSet<_>>().len(), 3, "{uuids:?}");
+    assert_eq!(uuids.len(), 4, "{o}");
+    assert_eq!(uuids.iter().collect::<HashSet<_>>().len(), 4, "{uuids:?}");
     let hosts: Vec<&str> = out.values("host:");
     let parent = out.values("parent-host:")[0];
-    assert_eq!(hosts.iter().collect::<HashSet<_>>().len(), 3, "{hosts:?}");
-    assert!(!hosts.contains(&parent), "{hosts:?} vs {parent}");
+    assert_eq!(
+        hosts[..3].iter().collect::<HashSet<_>>().len(),
+        3,
+        "{hosts:?}"
+    );
+    assert!(!hosts[..3].contains(&parent), "{hosts:?} vs {parent}");
+    assert_eq!(hosts[3], parent, "kept identity: {hosts:?}");
 }
 
 #[test]

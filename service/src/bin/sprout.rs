@@ -217,6 +217,13 @@ struct RestoreArgs {
     /// Serve a control socket here (see `sprout vm ctl`).
     #[arg(long)]
     api_sock: Option<PathBuf>,
+    /// Restore a Linux guest exactly as it was snapshotted: its clock, random
+    /// state, host name and machine id are not refreshed (its agent is only
+    /// pinged). For replaying one state again; guests restored so from one
+    /// snapshot share their random state, so never run them side by side
+    /// where that matters.
+    #[arg(long)]
+    keep_identity: bool,
     #[command(flatten)]
     job: JobArgs,
 }
@@ -372,6 +379,7 @@ fn restore(a: RestoreArgs) -> ExitCode {
         backend: a.memory_backend,
         vsock_uds: a.vsock_uds,
         api_sock: a.api_sock,
+        keep_identity: a.keep_identity,
         job: a.job.into_job(),
     };
     match service::linux::restore(r) {
