@@ -17,6 +17,9 @@
 #   3. RUNS restores of each (Sprout: `--memory-backend mmap`; Firecracker:
 #      the File backend), alternating, timed from the start of the restore to
 #      the VM running, the agent answering and the first `true` ended.
+#      Sprout restores twice a round: with its identity refresh (the
+#      default, which Firecracker does not do) and with `--keep-identity`
+#      (a ping, as Firecracker's).
 # SCRUB=1 (the default) writes and frees 128 MiB of the lab's tmpfs before
 # each boot or restore (see bench-boot.sh); SCRUB=0 does not.
 set -euo pipefail
@@ -79,6 +82,11 @@ while [ \$i -lt $runs ]; do
             s/.*agent ready \([0-9]*\) us after start.*/sprout_restore_agent \1/p
             s/.*command ended \([0-9]*\) us after start.*/sprout_restore_exec \1/p"
   scrub
+  RUST_LOG=service::linux=info sprout vm restore /tmp/snap --memory-backend mmap --keep-identity --exec true 2>&1 |
+    sed -n "s/.*restored \([0-9]*\) us after start.*/sprout_kept_restore_running \1/p
+            s/.*agent ready \([0-9]*\) us after start.*/sprout_kept_restore_agent \1/p
+            s/.*command ended \([0-9]*\) us after start.*/sprout_kept_restore_exec \1/p"
+  scrub
   \$P restore --firecracker \$F --dir /tmp/fc --snapshot /tmp/fcsnap || { tail -n 30 /tmp/fc/fc.log; exit 15; }
   i=\$((i + 1))
 done
@@ -106,15 +114,19 @@ steps = [("boot_spawn_start", "boot: process spawn to VM start"),
          ("restore_running", "restore: start to VM running"),
          ("restore_agent", "restore: start to agent answering"),
          ("restore_exec", "restore: start to first exec ended")]
+# Sprout's restores again with --keep-identity: a ping, as Firecracker's,
+# instead of the identity refresh Firecracker does not do.
+kept = [("kept_" + k, f"{label}, Sprout with --keep-identity") for k, label in steps[3:]]
+steps[4] = (steps[4][0], "restore: start to agent answering (Sprout: re-identified)")
 print("| step (EMULATED) | Sprout p50 (p90) ms | Firecracker p50 (p90) ms | Sprout / Firecracker (p50) |")
 print("| --- | --- | --- | --- |")
-for key, label in steps:
-    s, f = rows.get("sprout_" + key, []), rows.get("fc_" + key, [])
+for key, label in steps + kept:
+    s, f = rows.get("sprout_" + key, []), rows.get("fc_" + key.removeprefix("kept_"), [])
     cell = lambda v: f"{pct(v, 50):.1f} ({pct(v, 90):.1f}), n {len(v)}" if v else "-"
     ratio = f"{pct(s, 50) / pct(f, 50):.2f}" if s and f else "-"
     print(f"| {label} | {cell(s)} | {cell(f)} | {ratio} |")
 want = ["sprout_boot_start_agent", "fc_boot_spawn_start", "fc_boot_start_agent"] + [
-    f"{side}_restore_{k}" for side in ("sprout", "fc") for k in ("running", "agent", "exec")]
+    f"{side}_restore_{k}" for side in ("sprout", "sprout_kept", "fc") for k in ("running", "agent", "exec")]
 short = [f"{k}: {len(rows.get(k, []))} of {runs}" for k in want if len(rows.get(k, [])) != runs]
 if short:
     print("missing samples: " + ", ".join(short))
