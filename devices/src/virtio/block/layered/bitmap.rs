@@ -37,10 +37,12 @@ impl Bitmap {
         if words.len() != words_for(len) {
             return None;
         }
-        let b = Self { words, len };
-        let mut tail = b.clone();
-        tail.clear_tail();
-        (tail == b).then_some(b)
+        let used = len % 64;
+        let stray = match (words.last(), used) {
+            (Some(&last), 1..) => last >> used != 0,
+            _ => false,
+        };
+        (!stray).then_some(Self { words, len })
     }
 
     fn clear_tail(&mut self) {

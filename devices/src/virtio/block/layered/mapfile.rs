@@ -5,12 +5,17 @@
 //! | offset | size | field |
 //! | --- | --- | --- |
 //! | 0 | 8 | magic `SPRTLMAP` |
-//! | 8 | 4 | format version, 1 |
+//! | 8 | 4 | format version, 2 (1 is still read) |
 //! | 12 | 4 | cluster size, 4096 |
 //! | 16 | 8 | disk size in bytes |
 //! | 24 | 8 | number of clusters present |
 //! | 32 | 8 × ⌈clusters / 64⌉ | bitmap: cluster `i` is bit `i % 64` of word `i / 64` |
-//! | end − 8 | 8 | FNV-1a 64 of every byte before it |
+//! | end − 8 | 8 | checksum of every byte before it: XXH3-64 (version 1: FNV-1a 64) |
+//!
+//! Version 1's byte-at-a-time FNV-1a took 0.87 ms for the 512 KiB map of a
+//! 16 GiB disk on the development host (AMD EPYC), on every restore and
+//! fork child for every layer of its chain, and on every layer written;
+//! XXH3 reads it in tens of microseconds.
 //!
 //! Opening checks everything: the exact length for the expected disk size (so a map
 //! is never read beyond what that size needs), magic, version, cluster size, disk size,
@@ -24,7 +29,10 @@ use super::bitmap::{words_for, Bitmap};
 use super::CLUSTER_SIZE;
 
 const MAGIC: &[u8; 8] = b"SPRTLMAP";
-const VERSION: u32 = 1;
+/// Written; [`VERSION_FNV`] maps are still read.
+const VERSION: u32 = 2;
+/// The first version, checksummed with FNV-1a.
+const VERSION_FNV: u32 = 1;
 const HEADER_LEN: u64 = 32;
 const TRAILER_LEN: u64 = 8;
 
@@ -56,6 +64,15 @@ pub(super) fn map_len(disk_size: u64) -> u64 {
     HEADER_LEN + 8 * words_for(clusters) as u64 + TRAILER_LEN
 }
 
+/// The checksum of a map of format `version`.
+fn checksum(version: u32, bytes: &[u8]) -> u64 {
+    if version == VERSION_FNV {
+        fnv1a(bytes)
+    } else {
+        xxhash_rust::xxh3::xxh3_64(bytes)
+    }
+}
+
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
@@ -72,7 +89,7 @@ fn encode(map: &Bitmap, disk_size: u64) -> Vec<u8> {
     for w in map.words() {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    let sum = fnv1a(&out);
+    let sum = checksum(VERSION, &out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
 }
@@ -137,12 +154,13 @@ fn decode(b: &[u8], disk_size: u64) -> Result<Bitmap, MapError> {
         return Err(MapError::Magic);
     }
     let body = b.len() - TRAILER_LEN as usize;
-    if fnv1a(&b[..body]) != u64_at(b, body) {
-        return Err(MapError::Checksum);
+    // The version picks the checksum; a damaged one fails it, or is unknown.
+    let version = u32_at(b, 8);
+    if version != VERSION && version != VERSION_FNV {
+        return Err(MapError::Version(version));
     }
-    match u32_at(b, 8) {
-        VERSION => {}
-        v => return Err(MapError::Version(v)),
+    if checksum(version, &b[..body]) != u64_at(b, body) {
+        return Err(MapError::Checksum);
     }
     match u32_at(b, 12) {
         c if u64::from(c) == CLUSTER_SIZE => {}
@@ -185,7 +203,7 @@ mod tests {
     /// Re-checksums a tampered map, so that the field checks themselves are reached.
     fn reseal(b: &mut [u8]) {
         let body = b.len() - 8;
-        let sum = fnv1a(&b[..body]);
+        let sum = checksum(u32_at(b, 8), &b[..body]);
         b[body..].copy_from_slice(&sum.to_le_bytes());
     }
 
@@ -219,7 +237,9 @@ mod tests {
         ));
         assert!(matches!(check(&|b| b[0] = b'X', false), MapError::Magic));
         assert!(matches!(check(&|b| b[33] ^= 1, false), MapError::Checksum));
-        assert!(matches!(check(&|b| b[8] = 2, true), MapError::Version(2)));
+        assert!(matches!(check(&|b| b[8] = 3, true), MapError::Version(3)));
+        // A version 2 map relabelled 1 fails version 1's checksum.
+        assert!(matches!(check(&|b| b[8] = 1, false), MapError::Checksum));
         assert!(matches!(
             check(&|b| b[13] = 0x20, true),
             MapError::ClusterSize(0x2000)
@@ -242,5 +262,24 @@ mod tests {
         ));
         // The same map read for another disk size is refused by length or size.
         assert!(decode(&good, DISK + 512).is_err());
+    }
+
+    /// Layers written before version 2 (sleeping sandboxes, templates) still
+    /// open: a version 1 map, checksummed with FNV-1a, as that code wrote it.
+    #[test]
+    fn a_version_1_map_still_reads() {
+        let m = sample();
+        let mut b = encode(&m, DISK);
+        b[8..12].copy_from_slice(&VERSION_FNV.to_le_bytes());
+        let body = b.len() - 8;
+        let sum = fnv1a(&b[..body]);
+        b[body..].copy_from_slice(&sum.to_le_bytes());
+        // The checksum version 1 wrote for this map (FNV-1a 64 of its 48
+        // bytes, computed outside this code).
+        assert_eq!(u64_at(&b, body), 0x8bcd_e378_d23c_629b);
+        assert_eq!(decode(&b, DISK).unwrap(), m);
+        // And a flipped bit in it is caught.
+        b[40] ^= 1;
+        assert!(matches!(decode(&b, DISK), Err(MapError::Checksum)));
     }
 }
