@@ -15,8 +15,10 @@
 //! close, giving up [`DRAIN_IDLE`] after the last chunk (or [`DRAIN_MAX`] after the
 //! exit) when a background process keeps them open; then it sends `Exit`. Output
 //! already in a pipe is never given up on before [`DRAIN_MAX`], however busy the machine
-//! (the pipe readers may not have run yet), and a chunk read as the drain ends is still
-//! sent.
+//! (the pipe readers may not have run yet), a chunk read as the drain ends is still
+//! sent, and what is in a pipe when the drain gives up is read then and sent (up to
+//! [`LEFT_MAX`] a stream): output a process wrote before it exited is never lost, even
+//! where its reader never got to run.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -50,6 +52,9 @@ pub const FRAME_QUEUE: usize = 8;
 pub const DRAIN_IDLE: Duration = Duration::from_millis(100);
 /// After the exit, the longest wait for the pipes to close.
 pub const DRAIN_MAX: Duration = Duration::from_secs(2);
+/// Most bytes read a stream from a pipe still open when the drain gives up:
+/// what a pipe can hold (64 KiB unless raised, at most 1 MiB by default).
+pub const LEFT_MAX: usize = 1 << 20;
 
 /// Running execs by id, for `Kill`.
 #[derive(Default)]
@@ -111,7 +116,50 @@ impl Drop for Registered {
 #[derive(Default)]
 struct StreamStats {
     total: AtomicU64,
+    /// Of `total`, the bytes passed on (at most the output limit).
+    sent: AtomicU64,
     truncated: AtomicBool,
+}
+
+impl StreamStats {
+    /// Counts `n` bytes read; how many of them to pass on under `limit`.
+    fn take(&self, n: usize, limit: u64) -> usize {
+        self.total.fetch_add(n as u64, Ordering::Relaxed);
+        let sent = self.sent.load(Ordering::Relaxed);
+        let keep = limit.saturating_sub(sent).min(n as u64) as usize;
+        if keep < n {
+            self.truncated.store(true, Ordering::Relaxed);
+        }
+        self.sent.fetch_add(keep as u64, Ordering::Relaxed);
+        keep
+    }
+}
+
+/// What is in `pipe` now, read without waiting (at most [`LEFT_MAX`]
+/// bytes), counted in `stats` and cut to what `limit` leaves: for after its
+/// reader stopped. Reads only what the pipe says it holds, so it never
+/// blocks.
+fn read_left(pipe: &OwnedFd, limit: u64, stats: &StreamStats) -> Vec<Vec<u8>> {
+    let mut chunks = Vec::new();
+    let mut left = LEFT_MAX;
+    while left > 0 {
+        let ready = match rustix::io::ioctl_fionread(pipe) {
+            Ok(n) if n > 0 => (n as usize).min(OUTPUT_CHUNK).min(left),
+            _ => break,
+        };
+        let mut buf = vec![0u8; ready];
+        let n = match rustix::io::read(pipe, &mut buf) {
+            Ok(n) if n > 0 => n,
+            _ => break,
+        };
+        left -= n;
+        let keep = stats.take(n, limit);
+        if keep > 0 {
+            buf.truncate(keep);
+            chunks.push(buf);
+        }
+    }
+    chunks
 }
 
 fn bad(why: impl Into<String>) -> ErrorMsg {
@@ -379,19 +427,19 @@ async fn follow<W: AsyncWrite + Unpin>(
     sink: &mut Sink<'_, W>,
 ) -> Exit {
     // The pipes' read ends, duplicated: the drain asks them for unread output.
-    let pipes: Vec<OwnedFd> = [
+    let pipes: Vec<(StreamKind, OwnedFd)> = [
         child
             .stdout
             .as_ref()
-            .map(|p| p.as_fd().try_clone_to_owned()),
+            .map(|p| (StreamKind::Stdout, p.as_fd().try_clone_to_owned())),
         child
             .stderr
             .as_ref()
-            .map(|p| p.as_fd().try_clone_to_owned()),
+            .map(|p| (StreamKind::Stderr, p.as_fd().try_clone_to_owned())),
     ]
     .into_iter()
     .flatten()
-    .filter_map(Result::ok)
+    .filter_map(|(k, fd)| Some((k, fd.ok()?)))
     .collect();
     let (tx, mut rx) = mpsc::channel(FRAME_QUEUE);
     let out_stats = Arc::new(StreamStats::default());
@@ -428,6 +476,18 @@ async fn follow<W: AsyncWrite + Unpin>(
     while let Ok(chunk) = rx.try_recv() {
         sink.put(chunk).await;
     }
+    // Then what is still in a pipe: its reader never ran (a busy machine)
+    // or a background process keeps writing. After what was queued, so each
+    // stream stays in order.
+    for (kind, pipe) in &pipes {
+        let stats = match kind {
+            StreamKind::Stdout => &out_stats,
+            _ => &err_stats,
+        };
+        for data in read_left(pipe, limit, stats) {
+            sink.put((*kind, data)).await;
+        }
+    }
     Exit {
         code: run.status.code(),
         signal: run.status.signal(),
@@ -456,7 +516,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
     pgid: Pid,
     deadline: Option<Instant>,
     rx: &mut mpsc::Receiver<(StreamKind, Vec<u8>)>,
-    pipes: &[OwnedFd],
+    pipes: &[(StreamKind, OwnedFd)],
     mut watcher: Option<JoinHandle<()>>,
     sink: &mut Sink<'_, W>,
 ) -> RunEnd {
@@ -521,7 +581,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
                 let now = Instant::now();
                 let unread = pipes
                     .iter()
-                    .any(|p| rustix::io::ioctl_fionread(p).is_ok_and(|n| n > 0));
+                    .any(|(_, p)| rustix::io::ioctl_fionread(p).is_ok_and(|n| n > 0));
                 if !unread || now >= drain_max {
                     break;
                 }
@@ -555,21 +615,15 @@ async fn pump(
     stats: Arc<StreamStats>,
 ) {
     let mut buf = vec![0u8; OUTPUT_CHUNK];
-    let mut sent = 0u64;
     loop {
         let n = match pipe.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        stats.total.fetch_add(n as u64, Ordering::Relaxed);
-        let keep = (limit - sent).min(n as u64) as usize;
-        if keep < n {
-            stats.truncated.store(true, Ordering::Relaxed);
-        }
+        let keep = stats.take(n, limit);
         if keep == 0 {
             continue;
         }
-        sent += keep as u64;
         // A closed receiver means the exec is over: keep draining regardless.
         let _ = tx.send((stream, buf[..keep].to_vec())).await;
     }
@@ -602,5 +656,47 @@ where
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pipe's read end with `bytes` written into it; the write end is
+    /// returned too, kept open (a background process holding it).
+    fn pipe_with(bytes: &[u8]) -> (OwnedFd, OwnedFd) {
+        let (r, w) = std::io::pipe()
+            .map(|(r, w)| (OwnedFd::from(r), OwnedFd::from(w)))
+            .unwrap();
+        assert_eq!(rustix::io::write(&w, bytes).unwrap(), bytes.len());
+        (r, w)
+    }
+
+    #[test]
+    fn what_is_left_in_a_pipe_is_read_without_waiting_for_it_to_close() {
+        let data: Vec<u8> = (0..60_000u32).map(|i| (i % 251) as u8).collect();
+        let (r, _w) = pipe_with(&data);
+        let stats = StreamStats::default();
+        let got: Vec<u8> = read_left(&r, u64::MAX, &stats).concat();
+        assert_eq!(got, data);
+        assert_eq!(stats.total.load(Ordering::Relaxed), 60_000);
+        assert!(!stats.truncated.load(Ordering::Relaxed));
+        // Empty and still open (the write end lives): nothing, and no wait.
+        assert!(read_left(&r, u64::MAX, &stats).is_empty());
+    }
+
+    #[test]
+    fn what_is_left_counts_toward_the_limit_the_reader_began() {
+        let (r, _w) = pipe_with(b"0123456789");
+        let stats = StreamStats::default();
+        // The pump passed on 4 of a 6-byte limit before it stopped.
+        assert_eq!(stats.take(4, 6), 4);
+        let got = read_left(&r, 6, &stats).concat();
+        assert_eq!(got, b"01");
+        assert_eq!(stats.total.load(Ordering::Relaxed), 14);
+        assert_eq!(stats.sent.load(Ordering::Relaxed), 6);
+        assert!(stats.truncated.load(Ordering::Relaxed));
+        assert_eq!(stats.take(5, 6), 0, "past the cap, nothing more is sent");
     }
 }
