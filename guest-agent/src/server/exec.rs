@@ -18,7 +18,8 @@
 //! (the pipe readers may not have run yet), a chunk read as the drain ends is still
 //! sent, and what is in a pipe when the drain gives up is read then and sent (up to
 //! [`LEFT_MAX`] a stream): output a process wrote before it exited is never lost, even
-//! where its reader never got to run.
+//! where its reader never got to run. A reader takes room in the queue before it reads,
+//! so stopping it never drops a chunk it held.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -616,16 +617,23 @@ async fn pump(
 ) {
     let mut buf = vec![0u8; OUTPUT_CHUNK];
     loop {
+        // Room in the queue first, then the read: a reader stopped while it
+        // waits holds no output (what it would have read stays in the pipe,
+        // for the drain's last read). Past the cap it reads without waiting,
+        // and a closed receiver (the exec is over) lets it drain regardless.
+        let permit = if stats.sent.load(Ordering::Relaxed) < limit {
+            tx.reserve().await.ok()
+        } else {
+            None
+        };
         let n = match pipe.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
         let keep = stats.take(n, limit);
-        if keep == 0 {
-            continue;
+        if let (Some(p), 1..) = (permit, keep) {
+            p.send((stream, buf[..keep].to_vec()));
         }
-        // A closed receiver means the exec is over: keep draining regardless.
-        let _ = tx.send((stream, buf[..keep].to_vec())).await;
     }
 }
 
