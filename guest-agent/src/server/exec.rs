@@ -477,10 +477,11 @@ async fn follow<W: AsyncWrite + Unpin>(
     while let Ok(chunk) = rx.try_recv() {
         sink.put(chunk).await;
     }
-    // Then what is still in a pipe: its reader never ran (a busy machine)
-    // or a background process keeps writing. After what was queued, so each
-    // stream stays in order.
-    for (kind, pipe) in &pipes {
+    // Then, if the drain gave up, what is still in a pipe: its reader never
+    // ran (a busy machine) or a background process keeps writing. After
+    // what was queued, so each stream stays in order. Pipes read to their
+    // end (the usual exec) hold nothing more.
+    for (kind, pipe) in pipes.iter().filter(|_| run.gave_up) {
         let stats = match kind {
             StreamKind::Stdout => &out_stats,
             _ => &err_stats,
@@ -508,6 +509,8 @@ struct RunEnd {
     status: ExitStatus,
     exited_after: Instant,
     timed_out: bool,
+    /// The drain stopped with a pipe still open (not at its end).
+    gave_up: bool,
 }
 
 /// Forwards output, enforces the timeout, and watches the connection (if any) until the
@@ -539,6 +542,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
     let mut exited: Option<(ExitStatus, Instant)> = None;
     let mut drain_until = far;
     let mut drain_max = far;
+    let mut gave_up = false;
     loop {
         if exited.is_some() && pumps_done {
             break;
@@ -584,6 +588,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
                     .iter()
                     .any(|(_, p)| rustix::io::ioctl_fionread(p).is_ok_and(|n| n > 0));
                 if !unread || now >= drain_max {
+                    gave_up = true;
                     break;
                 }
                 drain_until = (now + DRAIN_IDLE).min(drain_max);
@@ -604,6 +609,7 @@ async fn supervise<W: AsyncWrite + Unpin>(
         status,
         exited_after,
         timed_out: timed_out.load(Ordering::SeqCst),
+        gave_up,
     }
 }
 
