@@ -15,7 +15,7 @@ secs="${1:-30}"
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(agent_frame virtqueue_chain blk_request vsock_packet worker_frame state_blob manifest mmio_transport http_api store_objects)
+  targets=(agent_frame virtqueue_chain blk_request vsock_packet worker_frame state_blob manifest layer_map mmio_transport http_api store_objects)
 fi
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then

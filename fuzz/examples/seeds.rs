@@ -1,5 +1,5 @@
-//! Writes the seed corpora of the `worker_frame`, `state_blob`, `manifest` and
-//! `mmio_transport` targets: a few valid inputs each, small.
+//! Writes the seed corpora of the `worker_frame`, `state_blob`, `manifest`,
+//! `layer_map` and `mmio_transport` targets: a few valid inputs each, small.
 //!
 //!   cd fuzz && cargo run --example seeds
 //!
@@ -352,9 +352,27 @@ fn mmio_transport() {
     write("failed-after-driver-ok", &failed, &ram);
 }
 
+/// Disk layer maps: runs (a few, none), a bitmap (too many runs to be
+/// shorter), each for the disk size its header states.
+fn layer_map() {
+    use devices::virtio::block::encode_layer_map;
+    let dir = corpus("layer_map");
+    let small = 100 * 4096 + 512;
+    let every_other: Vec<(u64, u64)> = (0..101).step_by(2).map(|i| (i, i + 1)).collect();
+    for (name, runs, disk) in [
+        ("runs", vec![(0, 3), (64, 65), (100, 101)], 32 << 20),
+        ("empty", vec![], 64 << 20),
+        ("bitmap", every_other, small),
+        ("full", vec![(0, 101)], small),
+    ] {
+        fs::write(dir.join(name), encode_layer_map(&runs, disk)).unwrap();
+    }
+}
+
 fn main() {
     worker_frame();
     state_blob();
     manifest();
+    layer_map();
     mmio_transport();
 }

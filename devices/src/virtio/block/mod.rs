@@ -29,7 +29,8 @@ use std::path::PathBuf;
 pub use backend::{DiskBackend, FileDisk, ImageIdentity, IDENTITY_HEAD_BYTES};
 pub use device::{Block, BlockConfig};
 pub use layered::{
-    LayerFiles, LayerKind, LayerStats, LayeredDisk, LayeredError, StagedLayer, CLUSTER_SIZE,
+    decode_layer_map, encode_layer_map, LayerFiles, LayerKind, LayerStats, LayeredDisk,
+    LayeredError, MapError, StagedLayer, CLUSTER_SIZE,
 };
 pub use persist::{BlockDisk, BlockRestoreArgs, BlockState};
 

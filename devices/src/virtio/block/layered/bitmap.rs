@@ -67,6 +67,21 @@ impl Bitmap {
         }
     }
 
+    /// Sets bits `start..end` (those past the end are ignored), a word at a
+    /// time.
+    pub fn set_range(&mut self, start: u64, end: u64) {
+        let end = end.min(self.len);
+        let mut i = start;
+        while i < end {
+            let base = i - i % 64;
+            let lo = i % 64;
+            let hi = (end - base).min(64);
+            let below_hi = if hi == 64 { u64::MAX } else { (1u64 << hi) - 1 };
+            self.words[(base / 64) as usize] |= below_hi & (u64::MAX << lo);
+            i = base + 64;
+        }
+    }
+
     pub fn clear_all(&mut self) {
         self.words.fill(0);
     }
@@ -138,6 +153,27 @@ mod tests {
         assert_eq!(u, full);
         u.clear_all();
         assert_eq!(u.count(), 0);
+    }
+
+    #[test]
+    fn set_range_sets_exactly_the_range() {
+        for (len, start, end) in [
+            (200, 0, 200),
+            (200, 3, 4),
+            (200, 60, 70),
+            (200, 64, 128),
+            (200, 63, 129),
+            (200, 190, 300),
+            (130, 5, 5),
+        ] {
+            let mut b = Bitmap::new(len);
+            b.set_range(start, end);
+            let mut want = Bitmap::new(len);
+            for i in start..end {
+                want.set(i);
+            }
+            assert_eq!(b, want, "{start}..{end} of {len}");
+        }
     }
 
     #[test]

@@ -1,25 +1,40 @@
 //! The cluster map file of a disk layer: which clusters the layer's data file holds.
 //!
-//! Layout (all integers little endian):
+//! Layout (all integers little endian): a header, a body, a checksum.
 //!
 //! | offset | size | field |
 //! | --- | --- | --- |
 //! | 0 | 8 | magic `SPRTLMAP` |
-//! | 8 | 4 | format version, 2 (1 is still read) |
+//! | 8 | 4 | format version: 3 (runs) or 2 (bitmap); 1 (bitmap) is still read |
 //! | 12 | 4 | cluster size, 4096 |
 //! | 16 | 8 | disk size in bytes |
 //! | 24 | 8 | number of clusters present |
-//! | 32 | 8 × ⌈clusters / 64⌉ | bitmap: cluster `i` is bit `i % 64` of word `i / 64` |
+//! | 32 | ... | body |
 //! | end − 8 | 8 | checksum of every byte before it: XXH3-64 (version 1: FNV-1a 64) |
 //!
-//! Version 1's byte-at-a-time FNV-1a took 0.87 ms for the 512 KiB map of a
-//! 16 GiB disk on the development host (AMD EPYC), on every restore and
-//! fork child for every layer of its chain, and on every layer written;
-//! XXH3 reads it in tens of microseconds.
+//! Body of version 3, the runs of present clusters:
 //!
-//! Opening checks everything: the exact length for the expected disk size (so a map
-//! is never read beyond what that size needs), magic, version, cluster size, disk size,
-//! checksum, no bits past the last cluster, and the present count.
+//! | offset | size | field |
+//! | --- | --- | --- |
+//! | 32 | 8 | number of runs `n` |
+//! | 40 | 16 × `n` | each run: first cluster, number of clusters (at least 1); in order, each starting past the cluster after the one before ends |
+//!
+//! Body of versions 2 and 1: a bitmap of 8 × ⌈clusters / 64⌉ bytes, cluster
+//! `i` is bit `i % 64` of word `i / 64`.
+//!
+//! A layer is written in whichever of the two is shorter, so a map file is
+//! never longer than the bitmap of its disk. The bitmap of a 16 GiB disk is
+//! 512 KiB, which every restore and fork child read and checksummed for every
+//! layer of its chain (12 ms in the emulated lab, most of it for a disk a
+//! guest barely wrote); its runs are a few hundred bytes. Version 1's
+//! byte-at-a-time FNV-1a took 0.87 ms for that bitmap on the development
+//! host (AMD EPYC); XXH3 reads it in tens of microseconds.
+//!
+//! Opening checks everything before the map is used: a length that fits the
+//! disk (checked before reading, so a map is never read beyond the bitmap
+//! length of that disk), magic, version, checksum, cluster size, disk size,
+//! for a bitmap no bits past the last cluster, for runs their order and
+//! bounds, and the present count.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -29,12 +44,18 @@ use super::bitmap::{words_for, Bitmap};
 use super::CLUSTER_SIZE;
 
 const MAGIC: &[u8; 8] = b"SPRTLMAP";
-/// Written; [`VERSION_FNV`] maps are still read.
+/// The runs of present clusters; written when shorter than the bitmap.
+const VERSION_RUNS: u32 = 3;
+/// A bitmap; written when no shorter than the runs.
 const VERSION: u32 = 2;
-/// The first version, checksummed with FNV-1a.
+/// The first version: a bitmap checksummed with FNV-1a (still read).
 const VERSION_FNV: u32 = 1;
 const HEADER_LEN: u64 = 32;
 const TRAILER_LEN: u64 = 8;
+/// A run: first cluster, number of clusters.
+const RUN_LEN: u64 = 16;
+/// A runs map without runs: header, run count, checksum.
+const RUNS_MIN_LEN: u64 = HEADER_LEN + 8 + TRAILER_LEN;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MapError {
@@ -42,6 +63,16 @@ pub enum MapError {
     Io(#[source] io::Error),
     #[error("Map file is {found} bytes, a map of this disk is {expected}")]
     Length { found: u64, expected: u64 },
+    #[error("Map file is {found} bytes, more than the {max} of this disk's bitmap")]
+    TooLong { found: u64, max: u64 },
+    #[error("Map file is {found} bytes, not a whole number of runs")]
+    RunsLength { found: u64 },
+    #[error("Map says it has {stated} runs, its length holds {found}")]
+    RunCount { stated: u64, found: u64 },
+    #[error(
+        "Map run {index} is empty, out of order, touches the run before it or ends past the disk"
+    )]
+    BadRun { index: u64 },
     #[error("Not a layer map file (bad magic)")]
     Magic,
     #[error("Map format version {0} is not supported")]
@@ -54,11 +85,12 @@ pub enum MapError {
     Checksum,
     #[error("Map marks clusters past the end of the disk")]
     StrayBits,
-    #[error("Map says {stated} clusters are present, its bitmap has {counted}")]
+    #[error("Map says {stated} clusters are present, its body has {counted}")]
     Count { stated: u64, counted: u64 },
 }
 
-/// Length of the map file of a disk of `disk_size` bytes.
+/// Length of the bitmap map file of a disk of `disk_size` bytes: the
+/// longest map file of that disk.
 pub(super) fn map_len(disk_size: u64) -> u64 {
     let clusters = disk_size.div_ceil(CLUSTER_SIZE);
     HEADER_LEN + 8 * words_for(clusters) as u64 + TRAILER_LEN
@@ -79,17 +111,45 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-fn encode(map: &Bitmap, disk_size: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(map_len(disk_size) as usize);
+/// The map file of `map`, a map of a disk of `disk_size` bytes: its runs
+/// if they are shorter than its bitmap, else the bitmap.
+pub(super) fn encode(map: &Bitmap, disk_size: u64) -> Vec<u8> {
+    let runs: Vec<(u64, u64)> = map.runs().collect();
+    let shorter = RUNS_MIN_LEN + RUN_LEN * (runs.len() as u64) < map_len(disk_size);
+    encode_as(map, disk_size, shorter.then_some(runs))
+}
+
+/// `map` as runs (`runs`: `map`'s) or, without them, as a bitmap.
+fn encode_as(map: &Bitmap, disk_size: u64, runs: Option<Vec<(u64, u64)>>) -> Vec<u8> {
+    let version = if runs.is_some() {
+        VERSION_RUNS
+    } else {
+        VERSION
+    };
+    let mut out = Vec::with_capacity(match &runs {
+        Some(r) => (RUNS_MIN_LEN + RUN_LEN * r.len() as u64) as usize,
+        None => map_len(disk_size) as usize,
+    });
     out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
     out.extend_from_slice(&(CLUSTER_SIZE as u32).to_le_bytes());
     out.extend_from_slice(&disk_size.to_le_bytes());
     out.extend_from_slice(&map.count().to_le_bytes());
-    for w in map.words() {
-        out.extend_from_slice(&w.to_le_bytes());
+    match runs {
+        Some(runs) => {
+            out.extend_from_slice(&(runs.len() as u64).to_le_bytes());
+            for (start, end) in runs {
+                out.extend_from_slice(&start.to_le_bytes());
+                out.extend_from_slice(&(end - start).to_le_bytes());
+            }
+        }
+        None => {
+            for w in map.words() {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+        }
     }
-    let sum = checksum(VERSION, &out);
+    let sum = checksum(version, &out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
 }
@@ -132,33 +192,51 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 /// Reads and checks the map at `path` of a disk of `disk_size` bytes.
 pub(super) fn read(path: &Path, disk_size: u64) -> Result<Bitmap, MapError> {
     let mut f = File::open(path).map_err(MapError::Io)?;
-    let expected = map_len(disk_size);
+    let max = map_len(disk_size);
     let found = f.metadata().map_err(MapError::Io)?.len();
-    if found != expected {
-        return Err(MapError::Length { found, expected });
+    if found > max {
+        return Err(MapError::TooLong { found, max });
     }
-    let mut b = vec![0u8; expected as usize];
+    let mut b = vec![0u8; found as usize];
     f.read_exact(&mut b).map_err(MapError::Io)?;
     decode(&b, disk_size)
 }
 
-fn decode(b: &[u8], disk_size: u64) -> Result<Bitmap, MapError> {
-    let expected = map_len(disk_size);
-    if b.len() as u64 != expected {
+/// Checks the map file `b` of a disk of `disk_size` bytes and returns its
+/// clusters.
+pub(super) fn decode(b: &[u8], disk_size: u64) -> Result<Bitmap, MapError> {
+    let dense = map_len(disk_size);
+    let found = b.len() as u64;
+    if found > dense {
+        return Err(MapError::TooLong { found, max: dense });
+    }
+    if found < HEADER_LEN + TRAILER_LEN {
         return Err(MapError::Length {
-            found: b.len() as u64,
-            expected,
+            found,
+            expected: dense,
         });
     }
     if &b[..8] != MAGIC {
         return Err(MapError::Magic);
     }
-    let body = b.len() - TRAILER_LEN as usize;
-    // The version picks the checksum; a damaged one fails it, or is unknown.
+    // The version picks the body and the checksum; a damaged one fails the
+    // checksum, or is unknown.
     let version = u32_at(b, 8);
-    if version != VERSION && version != VERSION_FNV {
-        return Err(MapError::Version(version));
+    match version {
+        VERSION | VERSION_FNV if found != dense => {
+            return Err(MapError::Length {
+                found,
+                expected: dense,
+            })
+        }
+        VERSION | VERSION_FNV => {}
+        VERSION_RUNS if found < RUNS_MIN_LEN || !(found - RUNS_MIN_LEN).is_multiple_of(RUN_LEN) => {
+            return Err(MapError::RunsLength { found })
+        }
+        VERSION_RUNS => {}
+        other => return Err(MapError::Version(other)),
     }
+    let body = b.len() - TRAILER_LEN as usize;
     if checksum(version, &b[..body]) != u64_at(b, body) {
         return Err(MapError::Checksum);
     }
@@ -173,17 +251,51 @@ fn decode(b: &[u8], disk_size: u64) -> Result<Bitmap, MapError> {
             disk: disk_size,
         });
     }
-    let words = b[HEADER_LEN as usize..body]
-        .chunks_exact(8)
-        .map(|c| u64_at(c, 0))
-        .collect();
-    let map =
-        Bitmap::from_words(words, disk_size.div_ceil(CLUSTER_SIZE)).ok_or(MapError::StrayBits)?;
-    let (stated, counted) = (u64_at(b, 24), map.count());
+    let clusters = disk_size.div_ceil(CLUSTER_SIZE);
+    let stated = u64_at(b, 24);
+    let (map, counted) = if version == VERSION_RUNS {
+        decode_runs(&b[HEADER_LEN as usize..body], clusters)?
+    } else {
+        let words = b[HEADER_LEN as usize..body]
+            .chunks_exact(8)
+            .map(|c| u64_at(c, 0))
+            .collect();
+        let map = Bitmap::from_words(words, clusters).ok_or(MapError::StrayBits)?;
+        let counted = map.count();
+        (map, counted)
+    };
     if stated != counted {
         return Err(MapError::Count { stated, counted });
     }
     Ok(map)
+}
+
+/// A version 3 body (the run count, then the runs) of a disk of `clusters`
+/// clusters: its bitmap and the clusters it marks.
+fn decode_runs(body: &[u8], clusters: u64) -> Result<(Bitmap, u64), MapError> {
+    let stated = u64_at(body, 0);
+    let runs = &body[8..];
+    let found = runs.len() as u64 / RUN_LEN;
+    if stated != found {
+        return Err(MapError::RunCount { stated, found });
+    }
+    let mut map = Bitmap::new(clusters);
+    let (mut next, mut counted) = (0u64, 0u64);
+    for (index, r) in (0u64..).zip(runs.chunks_exact(RUN_LEN as usize)) {
+        let (start, len) = (u64_at(r, 0), u64_at(r, 8));
+        let end = start.checked_add(len).filter(|&e| e <= clusters);
+        match end {
+            Some(end) if len > 0 && start >= next => {
+                map.set_range(start, end);
+                counted += len;
+                // The next run starts past the gap after this one: runs
+                // never touch, so a map has one encoding.
+                next = end + 1;
+            }
+            _ => return Err(MapError::BadRun { index }),
+        }
+    }
+    Ok((map, counted))
 }
 
 #[cfg(test)]
@@ -233,11 +345,16 @@ mod tests {
         ));
         assert!(matches!(
             check(&|b| b.push(0), false),
-            MapError::Length { .. }
+            MapError::TooLong { .. }
         ));
         assert!(matches!(check(&|b| b[0] = b'X', false), MapError::Magic));
         assert!(matches!(check(&|b| b[33] ^= 1, false), MapError::Checksum));
-        assert!(matches!(check(&|b| b[8] = 3, true), MapError::Version(3)));
+        assert!(matches!(check(&|b| b[8] = 4, true), MapError::Version(4)));
+        // A bitmap relabelled runs is not a whole number of runs.
+        assert!(matches!(
+            check(&|b| b[8] = 3, true),
+            MapError::RunsLength { found: 56 }
+        ));
         // A version 2 map relabelled 1 fails version 1's checksum.
         assert!(matches!(check(&|b| b[8] = 1, false), MapError::Checksum));
         assert!(matches!(
@@ -262,6 +379,129 @@ mod tests {
         ));
         // The same map read for another disk size is refused by length or size.
         assert!(decode(&good, DISK + 512).is_err());
+    }
+
+    /// A big disk a guest barely wrote: its runs, a few bytes instead of the
+    /// bitmap's 512 KiB.
+    const BIG: u64 = 16 << 30;
+
+    fn sparse() -> Bitmap {
+        let mut m = Bitmap::new(BIG / CLUSTER_SIZE);
+        m.set_range(0, 300);
+        m.set_range(4096, 4097);
+        m.set_range(1 << 20, (1 << 20) + 64);
+        m.set_range((BIG / CLUSTER_SIZE) - 2, BIG / CLUSTER_SIZE);
+        m
+    }
+
+    #[test]
+    fn a_sparse_map_is_written_as_runs_and_reads_back() {
+        let m = sparse();
+        let b = encode(&m, BIG);
+        assert_eq!(u32_at(&b, 8), VERSION_RUNS);
+        assert_eq!(b.len(), 32 + 8 + 4 * 16 + 8);
+        assert_eq!(u64_at(&b, 24), 300 + 1 + 64 + 2);
+        assert_eq!(decode(&b, BIG).unwrap(), m);
+        // Empty: no runs at all.
+        let empty = Bitmap::new(BIG / CLUSTER_SIZE);
+        let b = encode(&empty, BIG);
+        assert_eq!(b.len() as u64, RUNS_MIN_LEN);
+        assert_eq!(decode(&b, BIG).unwrap(), empty);
+        // The same map as a bitmap (as version 2 wrote every map) reads the same.
+        let dense = encode_as(&m, BIG, None);
+        assert_eq!(dense.len() as u64, map_len(BIG));
+        assert_eq!(decode(&dense, BIG).unwrap(), m);
+    }
+
+    #[test]
+    fn a_map_with_more_runs_than_fit_its_bitmap_is_written_as_the_bitmap() {
+        // Every other cluster: 51 runs of 101 clusters cost more than 2 words.
+        let mut m = Bitmap::new(DISK.div_ceil(CLUSTER_SIZE));
+        for i in (0..101).step_by(2) {
+            m.set(i);
+        }
+        let b = encode(&m, DISK);
+        assert_eq!(u32_at(&b, 8), VERSION);
+        assert_eq!(decode(&b, DISK).unwrap(), m);
+        // Those runs, written anyway, are longer than any map of this disk.
+        let runs = encode_as(&m, DISK, Some(m.runs().collect()));
+        assert!(matches!(
+            decode(&runs, DISK),
+            Err(MapError::TooLong { max: 56, .. })
+        ));
+    }
+
+    #[test]
+    fn every_bad_run_is_refused() {
+        let clusters = BIG / CLUSTER_SIZE;
+        // Runs (first, count) written as given, sealed with a right count.
+        let map_of = |runs: &[(u64, u64)]| {
+            let mut b = Vec::new();
+            b.extend_from_slice(MAGIC);
+            b.extend_from_slice(&VERSION_RUNS.to_le_bytes());
+            b.extend_from_slice(&(CLUSTER_SIZE as u32).to_le_bytes());
+            b.extend_from_slice(&BIG.to_le_bytes());
+            let count = runs.iter().fold(0u64, |a, r| a.wrapping_add(r.1));
+            b.extend_from_slice(&count.to_le_bytes());
+            b.extend_from_slice(&(runs.len() as u64).to_le_bytes());
+            for (s, n) in runs {
+                b.extend_from_slice(&s.to_le_bytes());
+                b.extend_from_slice(&n.to_le_bytes());
+            }
+            b.extend_from_slice(&[0; 8]);
+            reseal(&mut b);
+            b
+        };
+        let bad = |runs: &[(u64, u64)]| decode(&map_of(runs), BIG).unwrap_err();
+        assert!(decode(&map_of(&[(0, 3), (4, 1), (clusters - 1, 1)]), BIG).is_ok());
+        for (runs, index) in [
+            (&[(0, 0)][..], 0),
+            (&[(0, 3), (3, 1)], 1),
+            (&[(0, 3), (2, 5)], 1),
+            (&[(10, 3), (0, 1)], 1),
+            (&[(clusters - 1, 2)], 0),
+            (&[(clusters, 1)], 0),
+            (&[(1, u64::MAX)], 0),
+            (&[(u64::MAX, 1)], 0),
+        ] {
+            assert!(
+                matches!(bad(runs), MapError::BadRun { index: i } if i == index),
+                "{runs:?}"
+            );
+        }
+        let good = map_of(&[(0, 3), (8, 2)]);
+        let check = |edit: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = good.clone();
+            edit(&mut b);
+            reseal(&mut b);
+            decode(&b, BIG).unwrap_err()
+        };
+        assert!(matches!(
+            check(&|b| b[32] = 3),
+            MapError::RunCount {
+                stated: 3,
+                found: 2
+            }
+        ));
+        assert!(matches!(
+            check(&|b| b[24] = 4),
+            MapError::Count {
+                stated: 4,
+                counted: 5
+            }
+        ));
+        assert!(matches!(
+            check(&|b| b.insert(40, 0)),
+            MapError::RunsLength { found: 81 }
+        ));
+        assert!(matches!(
+            check(&|b| b.truncate(40)),
+            MapError::RunsLength { found: 40 }
+        ));
+        // Unsealed: a flipped bit in a run.
+        let mut b = good.clone();
+        b[41] ^= 1;
+        assert!(matches!(decode(&b, BIG), Err(MapError::Checksum)));
     }
 
     /// Layers written before version 2 (sleeping sandboxes, templates) still

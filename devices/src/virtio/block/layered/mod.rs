@@ -236,6 +236,25 @@ fn open_layer(files: &LayerFiles, size: u64, bottom: bool) -> Result<Layer, Laye
     Ok(Layer { file, present })
 }
 
+/// Checks a layer's cluster map file `bytes` as opening a disk of
+/// `disk_size` bytes over the layer does; the runs `[start, end)` of the
+/// clusters it holds, in order. For fuzzing and tools: a disk reads its maps
+/// itself.
+pub fn decode_layer_map(bytes: &[u8], disk_size: u64) -> Result<Vec<(u64, u64)>, MapError> {
+    mapfile::decode(bytes, disk_size).map(|m| m.runs().collect())
+}
+
+/// The cluster map file a layer write makes for a disk of `disk_size` bytes
+/// whose layer holds `runs` (`[start, end)`, in order, not touching; runs
+/// past the disk's end are cut there).
+pub fn encode_layer_map(runs: &[(u64, u64)], disk_size: u64) -> Vec<u8> {
+    let mut map = Bitmap::new(disk_size.div_ceil(CLUSTER_SIZE));
+    for &(start, end) in runs {
+        map.set_range(start, end);
+    }
+    mapfile::encode(&map, disk_size)
+}
+
 /// The clusters of a raw file that hold data (SEEK_DATA/SEEK_HOLE); every cluster if
 /// the file system cannot tell.
 fn data_clusters(file: &File, size: u64) -> Bitmap {
