@@ -96,10 +96,10 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         // Keep idle blocking-pool threads instead of letting them exit after
         // tokio's default 10 s: a guest snapshotted later would otherwise have
-        // none, and its first blocking job after a restore (the identity
-        // refresh, on the path to the first exec) would start a thread, which
-        // costs milliseconds where guest kernel code is emulated. A parked
-        // thread costs a stack; the pool's size stays bounded by tokio's cap.
+        // none, and its first blocking job after a restore (a file request)
+        // would start a thread, which costs milliseconds where guest kernel
+        // code is emulated. A parked thread costs a stack; the pool's size
+        // stays bounded by tokio's cap.
         .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build()
         .context("cannot start the tokio runtime")?;
