@@ -114,9 +114,17 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// The map file of `map`, a map of a disk of `disk_size` bytes: its runs
 /// if they are shorter than its bitmap, else the bitmap.
 pub(super) fn encode(map: &Bitmap, disk_size: u64) -> Vec<u8> {
-    let runs: Vec<(u64, u64)> = map.runs().collect();
-    let shorter = RUNS_MIN_LEN + RUN_LEN * (runs.len() as u64) < map_len(disk_size);
-    encode_as(map, disk_size, shorter.then_some(runs))
+    // The most runs shorter than the bitmap; collecting stops one past them,
+    // so a fragmented map is not listed whole only to be written as bits.
+    // (None: even no runs are not shorter, a one-cluster disk.)
+    let fit = (map_len(disk_size) - RUNS_MIN_LEN)
+        .checked_sub(1)
+        .map(|room| room / RUN_LEN);
+    let runs = fit.and_then(|fit| {
+        let runs: Vec<(u64, u64)> = map.runs().take(fit as usize + 1).collect();
+        (runs.len() as u64 <= fit).then_some(runs)
+    });
+    encode_as(map, disk_size, runs)
 }
 
 /// `map` as runs (`runs`: `map`'s) or, without them, as a bitmap.
@@ -411,6 +419,23 @@ mod tests {
         let dense = encode_as(&m, BIG, None);
         assert_eq!(dense.len() as u64, map_len(BIG));
         assert_eq!(decode(&dense, BIG).unwrap(), m);
+    }
+
+    #[test]
+    fn runs_are_written_only_when_strictly_shorter() {
+        // Up to 64 clusters the bitmap is 48 bytes, as long as no runs.
+        for clusters in [1, 64] {
+            let m = Bitmap::new(clusters);
+            assert_eq!(u32_at(&encode(&m, clusters * 4096), 8), VERSION);
+        }
+        // 65 clusters: a 56-byte bitmap; no runs (48 bytes) are shorter, one
+        // run (64 bytes) is not.
+        let disk = 65 * 4096;
+        let mut m = Bitmap::new(65);
+        assert_eq!(u32_at(&encode(&m, disk), 8), VERSION_RUNS);
+        m.set(3);
+        assert_eq!(u32_at(&encode(&m, disk), 8), VERSION);
+        assert_eq!(decode(&encode(&m, disk), disk).unwrap(), m);
     }
 
     #[test]
