@@ -11,7 +11,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use rustix::rand::{getrandom, GetRandomFlags};
 use rustix::time::{clock_settime, ClockId, Timespec};
@@ -30,6 +30,13 @@ const MAX_HOSTNAME: usize = 64;
 /// emulated (the lab), paid again after every restore. (Part of that cost
 /// moves to the next path walk, the machine id's.)
 static RANDOM: OnceLock<File> = OnceLock::new();
+
+/// `/etc/machine-id` open for writing, from [`hold_machine_id`] on, while it
+/// is still the file at that path (see [`write_held`]). The path walk and
+/// open were about a third of the ~7.5 ms the id write took in a lab refresh;
+/// the rest (~4.8 ms) is ext4's write path, journal and all, on kernel memory
+/// a restored guest touches for the first time.
+static HELD_ID: Mutex<Option<File>> = Mutex::new(None);
 
 /// Opens ahead of time what a refresh writes to, so that the refresh after a
 /// restore does not: the agent calls it when it starts in a VM, and the open
@@ -127,7 +134,7 @@ pub fn refresh_as(req: &Identity, machine_id: Option<&str>) -> Result<IdentityDo
         Some(id) => Ok(id.to_owned()),
         None => new_machine_id(),
     };
-    match id.and_then(|id| write_machine_id(Path::new(MACHINE_ID), &id).map(|()| id)) {
+    match id.and_then(|id| write_held(&HELD_ID, Path::new(MACHINE_ID), &id).map(|()| id)) {
         Ok(id) => done.machine_id = Some(id),
         Err(e) => done.errors.push(format!("Cannot write {MACHINE_ID}: {e}")),
     }
@@ -179,6 +186,39 @@ fn write_machine_id(path: &Path, id: &str) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// Holds the machine id file open for the next refresh (after
+/// [`ensure_machine_id`] gave the machine one), as [`prepare`] does
+/// `/dev/urandom`.
+pub fn hold_machine_id() {
+    let mut held = HELD_ID.lock().unwrap_or_else(|e| e.into_inner());
+    *held = same_size_file(Path::new(MACHINE_ID), MACHINE_ID_LINE);
+}
+
+/// Length of a machine id file: 32 hex digits and a newline.
+const MACHINE_ID_LINE: usize = 33;
+
+/// [`write_machine_id`] through the file `held` keeps open while it is still
+/// the id file: a regular file of an id's length that has a name (replaced by
+/// a rename, it has none; a link or bind mount to it is still it). Else the id
+/// goes to `path` and its file is held from then on.
+fn write_held(held: &Mutex<Option<File>>, path: &Path, id: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let line = format!("{id}\n");
+    let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(f) = held.as_ref() {
+        let same = f
+            .metadata()
+            .is_ok_and(|m| m.is_file() && m.nlink() > 0 && m.len() == line.len() as u64);
+        if same {
+            return f.write_all_at(line.as_bytes(), 0);
+        }
+    }
+    *held = None;
+    write_machine_id(path, id)?;
+    *held = same_size_file(path, line.len());
+    Ok(())
+}
+
 /// `path` open for writing if it is a regular file of `len` bytes. Never
 /// creates it, and does not block on a FIFO someone put there.
 fn same_size_file(path: &Path, len: usize) -> Option<File> {
@@ -195,7 +235,7 @@ fn same_size_file(path: &Path, len: usize) -> Option<File> {
 /// Whether `text` is a machine id as `machine-id(5)` has it: 32 lowercase hex
 /// digits and a newline, not all zero.
 fn is_machine_id(text: &[u8]) -> bool {
-    text.len() == 33
+    text.len() == MACHINE_ID_LINE
         && text[32] == b'\n'
         && text[..32]
             .iter()
@@ -335,6 +375,60 @@ mod tests {
             std::fs::read_to_string(&fifo).unwrap(),
             format!("{second}\n")
         );
+    }
+
+    /// The held file is written while it is still the id file; once replaced
+    /// (renamed over, or of another length) the id goes to the path, whose
+    /// file is held from then on.
+    #[test]
+    fn the_held_id_file_is_written_only_while_it_is_the_id_file() {
+        use std::os::unix::fs::MetadataExt;
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("machine-id");
+        let held = Mutex::new(None);
+        let ids: Vec<String> = (0..5).map(|_| new_machine_id().unwrap()).collect();
+        // Nothing held yet: written by path, then held.
+        write_held(&held, &p, &ids[0]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", ids[0])
+        );
+        assert!(held.lock().unwrap().is_some());
+        // Held: written in place, through the open file.
+        let inode = std::fs::metadata(&p).unwrap().ino();
+        write_held(&held, &p, &ids[1]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", ids[1])
+        );
+        assert_eq!(std::fs::metadata(&p).unwrap().ino(), inode);
+        // Renamed over (as systemd-machine-id-setup would): the held file has
+        // no name left, so the new one at the path gets the id.
+        let other = t.path().join("other");
+        std::fs::write(&other, format!("{}\n", "1".repeat(32))).unwrap();
+        std::fs::rename(&other, &p).unwrap();
+        write_held(&held, &p, &ids[2]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", ids[2])
+        );
+        assert_ne!(std::fs::metadata(&p).unwrap().ino(), inode);
+        // ... and is held from then on.
+        let inode = std::fs::metadata(&p).unwrap().ino();
+        write_held(&held, &p, &ids[3]).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().ino(), inode);
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", ids[3])
+        );
+        // Truncated in place: not an id file's length, replaced whole.
+        std::fs::write(&p, "uninitialized\n").unwrap();
+        write_held(&held, &p, &ids[4]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            format!("{}\n", ids[4])
+        );
+        assert_eq!(std::fs::read_dir(t.path()).unwrap().count(), 1);
     }
 
     #[test]

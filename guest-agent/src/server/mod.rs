@@ -138,6 +138,7 @@ fn give_machine_id(lock: &Arc<Mutex<()>>) {
             Ok(None) => {}
             Err(e) => warn!("cannot give the machine an id: {e}"),
         }
+        identity::hold_machine_id();
     });
 }
 
