@@ -266,7 +266,7 @@ impl VmBuilder {
         } = self;
         let VmBase { msrs, vm, .. } = base;
         // Start tracking changes from the first instruction on.
-        memory::reset_dirty(&vm, &ram.mem)?;
+        memory::forget_vmm_writes(&ram.mem);
         let (event_loop, vcpus) = start_threads(wiring, fds, &exit)?;
         Ok(Vm {
             vcpus,

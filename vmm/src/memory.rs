@@ -341,9 +341,17 @@ pub fn take_dirty(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<Vec<u64>, MemoryEr
     Ok(out)
 }
 
-/// Forgets the pages changed so far, so the next [`take_dirty`] starts now.
-pub fn reset_dirty(vm: &VmFd, mem: &GuestMemoryMmap) -> Result<(), MemoryError> {
-    take_dirty(vm, mem).map(|_| ())
+/// Forgets the writes the VMM made through `mem` so far, so that the next
+/// [`take_dirty`] of a VM whose vCPUs have not run yet starts now. KVM's half
+/// of that log needs nothing: a slot's dirty log starts clear (Sprout does not
+/// enable `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`, whose `INITIALLY_SET` would set
+/// it) and only a running vCPU marks it, so a new VM skips a
+/// `KVM_GET_DIRTY_LOG` per slot (1.8 ms of a lab restore).
+pub fn forget_vmm_writes(mem: &GuestMemoryMmap) {
+    for r in mem.iter() {
+        let mapping: &MmapRegion<AtomicBitmap> = r;
+        mapping.bitmap().reset();
+    }
 }
 
 /// Maps a RAM-offset-space range to guest physical addresses, region by region.
