@@ -7,7 +7,7 @@
 //!
 //! Memory is addressed in the **RAM offset space** `[0, mem_size)`: the VMM maps
 //! guest physical regions onto it in order (below the MMIO gap, then above
-//! 4 GiB), exactly as its memfd is laid out. A page frame number (`pfn`) is an
+//! 4 GiB), exactly as its host memory is laid out. A page frame number (`pfn`) is an
 //! offset divided by [`PAGE_SIZE`].
 //!
 //! * [`format`]: the manifest, [`format::SnapshotWriter`] (temp dir, fsync,

@@ -17,7 +17,15 @@ unsafe impl Send for Reservation {}
 // SAFETY: it exposes only the address and length, never the memory itself.
 unsafe impl Sync for Reservation {}
 
+/// Where a reservation of at least this much starts: the size of a
+/// transparent huge page, so that guest RAM in it can be backed by huge
+/// pages and KVM can map 2 MiB at a time (guest physical regions start
+/// 2 MiB-aligned too).
+pub const RESERVATION_ALIGN: usize = 2 << 20;
+
 impl Reservation {
+    /// `len` bytes, starting [`RESERVATION_ALIGN`]-aligned when `len` is at
+    /// least that.
     pub fn new(len: usize) -> io::Result<Reservation> {
         if len == 0 || !len.is_multiple_of(crate::PAGE_SIZE) {
             return Err(io::Error::new(
@@ -25,12 +33,20 @@ impl Reservation {
                 format!("reservation of {len} bytes is not a whole number of pages"),
             ));
         }
+        let align = if len >= RESERVATION_ALIGN {
+            RESERVATION_ALIGN
+        } else {
+            crate::PAGE_SIZE
+        };
+        let mapped = len
+            .checked_add(align - crate::PAGE_SIZE)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "reservation too large"))?;
         // SAFETY: a fresh mapping placed by the kernel (no MAP_FIXED), so it
         // overlaps nothing; the result is checked.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                mapped,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -40,7 +56,22 @@ impl Reservation {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(p.cast()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        let at = p as usize;
+        let start = at.next_multiple_of(align);
+        let (head, tail) = (start - at, mapped - (start - at) - len);
+        // SAFETY: both ranges lie inside the mapping just made, outside
+        // [start, start + len), and nothing uses them; a failure leaves
+        // address space mapped, never memory in use unmapped.
+        unsafe {
+            if head > 0 {
+                libc::munmap(p, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + len) as *mut libc::c_void, tail);
+            }
+        }
+        let ptr =
+            NonNull::new(start as *mut u8).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
         Ok(Reservation { ptr, len })
     }
 
@@ -83,5 +114,20 @@ mod tests {
         assert_eq!(r.len(), 1 << 20);
         // SAFETY: the reservation is ours and readable.
         assert_eq!(unsafe { *r.as_ptr() }, 0);
+    }
+
+    /// Huge-page-sized reservations start on a huge page, whatever the
+    /// kernel placed; all of it is usable and the slop is given back.
+    #[test]
+    fn large_reservations_are_huge_page_aligned() {
+        for len in [2 << 20, (2 << 20) + 4096, 256 << 20] {
+            let r = Reservation::new(len).unwrap();
+            assert_eq!(r.as_ptr() as usize % RESERVATION_ALIGN, 0, "{len}");
+            // SAFETY: the reservation is ours, `len` bytes, read-write.
+            unsafe {
+                *r.as_ptr() = 1;
+                *r.as_ptr().add(len - 1) = 1;
+            }
+        }
     }
 }

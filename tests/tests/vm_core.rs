@@ -228,7 +228,7 @@ fn stop_returns_when_a_vcpu_is_stuck_in_a_device() {
 }
 
 /// A boot into a shell built ahead of time (a ready worker's): the guest runs
-/// and its RAM is the VM's own memfd, written where the shell reserved it;
+/// and its RAM is the range the shell reserved (and registered with KVM);
 /// a shell of another shape is not used, and the VM boots as without one.
 #[test]
 fn boots_into_a_shell_of_its_shape_and_not_into_another() {

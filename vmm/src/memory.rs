@@ -1,37 +1,28 @@
-//! Guest RAM: one memfd holding all of it, mapped shared per region (below the
-//! 32-bit MMIO gap, and above 4 GiB), so the whole of RAM is one file that
-//! snapshots can write out and restores can map.
+//! Guest RAM: one range of host memory holding all of it, cut into regions
+//! (below the 32-bit MMIO gap, and above 4 GiB). A booted VM's is anonymous
+//! private memory starting on a huge page, as Firecracker's is: where the host
+//! backs anonymous memory with transparent huge pages
+//! (`/sys/kernel/mm/transparent_hugepage/enabled` is `always`), so is guest
+//! RAM, and KVM maps it 2 MiB at a time. A restored VM's is its restore
+//! backend's mapping.
 
 use devices::virtio::GuestMemoryMmap;
-use std::ffi::CStr;
-use std::fs::File;
-use std::os::fd::FromRawFd;
 
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::VmFd;
 use vm_memory::bitmap::AtomicBitmap;
-use vm_memory::{
-    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion,
-};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap, MmapRegion};
 
 use crate::layout;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
-    #[error("Cannot create the guest memory file")]
-    Memfd(#[source] std::io::Error),
-    #[error("Cannot size the guest memory file to {0} bytes")]
-    Truncate(u64, #[source] std::io::Error),
-    #[error("Cannot map guest memory")]
-    Map(#[source] vm_memory::mmap::FromRangesError),
-    #[error("Cannot describe restored guest memory")]
+    #[error("Cannot reserve {0} bytes of guest memory")]
+    Reserve(u64, #[source] std::io::Error),
+    #[error("Cannot describe guest memory")]
     Raw(#[source] vm_memory::mmap::MmapRegionError),
     #[error("A shell's memory range of {0} bytes cannot hold {1} bytes of guest RAM")]
     RangeSize(u64, u64),
-    #[error("Cannot map guest memory into the shell's range")]
-    MapIn(#[source] std::io::Error),
-    #[error("Fresh guest memory is not a restore backend")]
-    NotRestored,
     #[error("Restored guest memory region overflows the guest address space")]
     Region,
     #[error("Cannot assemble restored guest memory")]
@@ -42,10 +33,11 @@ pub enum MemoryError {
     DirtyLog(#[source] kvm_ioctls::Error),
 }
 
-/// What keeps guest RAM's host mapping alive: the VM's own memfd, or the
-/// mapping a restore backend made.
+/// What keeps guest RAM's host mapping alive: a booted VM's own anonymous
+/// memory, or the mapping a restore backend made.
 pub enum Backing {
-    Memfd(File),
+    /// Fresh zeroed memory (a shell's, or reserved for the boot).
+    Fresh(snapshot::Reservation),
     /// `MAP_PRIVATE` of the snapshot's layer files (kernel copy-on-write).
     Mmap(snapshot::mmap::PrivateMapping),
     /// Anonymous memory filled by a userfaultfd page server.
@@ -54,10 +46,10 @@ pub enum Backing {
 
 impl Backing {
     /// A snapshot layer file backing this RAM that changed size since the
-    /// restore mapped it (`None` for a VM's own memfd).
+    /// restore mapped it (`None` for a VM's own memory).
     pub fn changed_layer(&self) -> Option<std::path::PathBuf> {
         match self {
-            Backing::Memfd(_) => None,
+            Backing::Fresh(_) => None,
             Backing::Mmap(m) => m.changed_layer(),
             Backing::Uffd(u) => u.changed_layer(),
         }
@@ -69,11 +61,9 @@ impl Backing {
 pub struct GuestRam {
     pub mem: GuestMemoryMmap,
     pub size: u64,
+    /// Owns the mapping `mem`'s regions describe (they do not own it), and
+    /// is dropped after them.
     pub backing: Backing,
-    /// A shell's reserved range the memfd is mapped over ([`create_in`]):
-    /// unmapped when this is dropped, after `mem` (whose regions do not own
-    /// their mapping then).
-    pub(crate) _range: Option<snapshot::Reservation>,
 }
 
 /// A VM's guest RAM, unmapped on drop unless [`KeptRam::leak`] was called:
@@ -115,110 +105,26 @@ impl Drop for KeptRam {
     }
 }
 
-/// The memfd behind guest RAM, `size` bytes of zeros.
-fn new_memfd(size: u64) -> Result<File, MemoryError> {
-    let name: &CStr = c"sprout-guest-ram";
-    // SAFETY: memfd_create takes a valid NUL-terminated name and flags; we check
-    // the returned fd before use.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: fd is a freshly created, valid descriptor that nothing else owns.
-    let file = unsafe { File::from_raw_fd(fd) };
-    file.set_len(size)
-        .map_err(|e| MemoryError::Truncate(size, e))?;
-    Ok(file)
-}
-
 /// Creates `size` bytes of zeroed guest RAM laid out by [`layout::ram_regions`].
 pub fn create(size: u64) -> Result<GuestRam, MemoryError> {
-    let file = new_memfd(size)?;
-    let (regions, n) = layout::ram_regions(size);
-    let mut offset = 0u64;
-    let mut ranges = Vec::with_capacity(n);
-    for &(base, len) in &regions[..n] {
-        let f = file.try_clone().map_err(MemoryError::Memfd)?;
-        ranges.push((
-            GuestAddress(base),
-            len as usize,
-            Some(FileOffset::new(f, offset)),
-        ));
-        offset += len;
-    }
-    let mem = GuestMemoryMmap::from_ranges_with_files(ranges).map_err(MemoryError::Map)?;
-    Ok(GuestRam {
-        mem,
-        size,
-        backing: Backing::Memfd(file),
-        _range: None,
-    })
+    let range =
+        snapshot::Reservation::new(size as usize).map_err(|e| MemoryError::Reserve(size, e))?;
+    create_in(size, range)
 }
 
-/// [`create`], with the memfd mapped over a shell's reserved range (whose
-/// KVM memory slots already cover it) instead of a new mapping: a boot
-/// into a ready worker's shell.
+/// [`create`] in `range`: a shell's reserved memory, whose KVM memory slots
+/// already cover it (a boot into a ready worker's shell), or a new one.
 pub fn create_in(size: u64, range: snapshot::Reservation) -> Result<GuestRam, MemoryError> {
-    use vm_memory::bitmap::NewBitmap;
-    use vm_memory::mmap::MmapRegionBuilder;
     if range.len() as u64 != size {
         return Err(MemoryError::RangeSize(range.len() as u64, size));
     }
-    let file = new_memfd(size)?;
-    let base = range.as_ptr();
-    // SAFETY: MAP_FIXED over `range`, a mapping of exactly `size` bytes this
-    // process owns and nothing else uses (a shell's memory is mapped only
-    // by a boot or a restore into it, which takes it); the result is
-    // checked, and `range` (kept in the GuestRam) unmaps it at the end.
-    let p = unsafe {
-        libc::mmap(
-            base.cast(),
-            size as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
-            std::os::fd::AsRawFd::as_raw_fd(&file),
-            0,
-        )
-    };
-    if p != base.cast() {
-        return Err(MemoryError::MapIn(std::io::Error::last_os_error()));
-    }
-    let (regions, n) = layout::ram_regions(size);
-    let mut out = Vec::with_capacity(n);
-    let mut offset = 0u64;
-    for &(gpa, len) in &regions[..n] {
-        let f = file.try_clone().map_err(MemoryError::Memfd)?;
-        // SAFETY: [base + offset, + len) lies inside the shared mapping
-        // made above (offset + len <= size), which outlives the region: it
-        // is unmapped only when the GuestRam's `_range` drops, after `mem`.
-        let region = unsafe {
-            MmapRegionBuilder::<AtomicBitmap>::new_with_bitmap(
-                len as usize,
-                AtomicBitmap::with_len(len as usize),
-            )
-            .with_raw_mmap_pointer(base.add(offset as usize))
-        }
-        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-        .with_mmap_flags(libc::MAP_SHARED)
-        .with_file_offset(FileOffset::new(f, offset))
-        .build()
-        .map_err(MemoryError::Raw)?;
-        out.push(GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or(MemoryError::Region)?);
-        offset += len;
-    }
-    let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Regions)?;
-    Ok(GuestRam {
-        mem,
-        size,
-        backing: Backing::Memfd(file),
-        _range: Some(range),
-    })
+    from_backing(Backing::Fresh(range))
 }
 
 /// Guest RAM over a restore backend's mapping of the whole RAM offset space.
 pub fn from_backing(backing: Backing) -> Result<GuestRam, MemoryError> {
     let (ptr, size) = match &backing {
-        Backing::Memfd(_) => return Err(MemoryError::NotRestored),
+        Backing::Fresh(r) => (r.as_ptr(), r.len() as u64),
         Backing::Mmap(m) => (m.as_ptr(), m.len()),
         Backing::Uffd(u) => (u.as_ptr(), u.len()),
     };
@@ -243,12 +149,7 @@ pub fn from_backing(backing: Backing) -> Result<GuestRam, MemoryError> {
         offset += len;
     }
     let mem = GuestMemoryMmap::from_regions(out).map_err(MemoryError::Regions)?;
-    Ok(GuestRam {
-        mem,
-        size,
-        backing,
-        _range: None,
-    })
+    Ok(GuestRam { mem, size, backing })
 }
 
 /// Registers one guest memory slot: `len` bytes of host memory at `hva` as
@@ -372,21 +273,34 @@ mod tests {
     use super::*;
     use vm_memory::{Bytes, GuestMemoryBackend};
 
+    /// Fresh RAM is one zeroed anonymous range starting on a huge page, the
+    /// regions laid end to end in it.
     #[test]
-    fn regions_share_one_file() {
+    fn fresh_ram_is_one_aligned_range() {
+        let g = layout::GIB;
         let ram = create(256 << 20).unwrap();
         assert_eq!(ram.mem.num_regions(), 1);
         ram.mem
             .write_obj(0xdead_beefu32, GuestAddress(0x1000))
             .unwrap();
-        let mut b = [0u8; 4];
-        use std::os::unix::fs::FileExt;
-        let Backing::Memfd(file) = &ram.backing else {
-            panic!("fresh RAM is a memfd")
+        let Backing::Fresh(range) = &ram.backing else {
+            panic!("fresh RAM is a reservation")
         };
-        file.read_exact_at(&mut b, 0x1000).unwrap();
-        assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
+        assert_eq!(range.as_ptr() as usize % (2 << 20), 0);
+        // SAFETY: offset 0x1000 is inside the 256 MiB range, written above.
+        let at = unsafe { std::ptr::read_unaligned(range.as_ptr().add(0x1000).cast::<u32>()) };
+        assert_eq!(at, 0xdead_beef);
         assert!(ram.mem.read_obj::<u32>(GuestAddress(256 << 20)).is_err());
+        // Across the gap: RAM above 4 GiB follows RAM below it in the range.
+        let big = create(4 * g).unwrap();
+        assert_eq!(big.mem.num_regions(), 2);
+        big.mem.write_obj(7u8, GuestAddress(4 * g)).unwrap();
+        let Backing::Fresh(range) = &big.backing else {
+            panic!("fresh RAM is a reservation")
+        };
+        let below = big.mem.find_region(GuestAddress(0)).unwrap().len();
+        // SAFETY: `below` < 4 GiB, inside the range.
+        assert_eq!(unsafe { *range.as_ptr().add(below as usize) }, 7);
     }
 
     #[test]

@@ -46,7 +46,7 @@ impl VmShell {
         let mem_bytes = mem_mib << 20;
         let (kvm, caps, vm) = create_vm(vcpus)?;
         let reservation = Reservation::new(mem_bytes as usize)
-            .map_err(|e| VmError::Memory(memory::MemoryError::Memfd(e)))?;
+            .map_err(|e| VmError::Memory(memory::MemoryError::Reserve(mem_bytes, e)))?;
         memory::register_range(&vm, reservation.as_ptr(), mem_bytes, true)?;
         let mut vcpu_fds = Vec::with_capacity(usize::from(vcpus));
         let supported = crate::arch::cpuid::supported(&kvm, caps)

@@ -89,7 +89,8 @@ pub trait RamSource {
     }
 
     /// Byte ranges `(start, end)` outside which RAM is known to be zero, e.g.
-    /// the data extents of a memfd (`SEEK_DATA`): a full layer then reads only
+    /// the pages a booted VM's RAM holds (`/proc/self/pagemap`), or the data
+    /// extents of a file (`SEEK_DATA`): a full layer then reads only
     /// those. `None` means all of RAM may hold data.
     fn data_ranges(&self) -> Option<Vec<(u64, u64)>> {
         None
@@ -132,7 +133,7 @@ impl RamSource for SliceSource<'_> {
     }
 }
 
-/// A [`RamSource`] over a file holding RAM at offset 0 (e.g. the VMM's memfd):
+/// A [`RamSource`] over a file holding RAM at offset 0:
 /// `pread`, and its data extents as [`RamSource::data_ranges`].
 pub struct FileSource<'a> {
     file: &'a File,

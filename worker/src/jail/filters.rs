@@ -121,7 +121,7 @@ pub const CONTROL: &[c_long] = &[
 ];
 
 /// The owner (main) thread's own needs: building, restoring, snapshotting
-/// and stopping VMs (files, memfds, mappings, KVM and uffd ioctls, leases),
+/// and stopping VMs (files, mappings, KVM and uffd ioctls, leases),
 /// starting the VM's threads and their filters, signalling vCPUs, metrics.
 const OWNER_OWN: &[c_long] = &[
     libc::SYS_openat,
@@ -130,9 +130,6 @@ const OWNER_OWN: &[c_long] = &[
     libc::SYS_pread64,
     libc::SYS_pwrite64,
     libc::SYS_lseek,
-    // A boot's kernel load: segments go from the kernel file straight into
-    // guest RAM's memfd.
-    libc::SYS_sendfile,
     libc::SYS_fstat,
     libc::SYS_newfstatat,
     libc::SYS_statx,
@@ -152,7 +149,6 @@ const OWNER_OWN: &[c_long] = &[
     libc::SYS_fdatasync,
     libc::SYS_ftruncate,
     libc::SYS_fallocate,
-    libc::SYS_memfd_create,
     libc::SYS_eventfd2,
     libc::SYS_timerfd_create,
     libc::SYS_epoll_create1,
