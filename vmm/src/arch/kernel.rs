@@ -59,14 +59,14 @@ pub fn load(mem: &GuestMemoryMmap, path: &Path) -> Result<LoadedKernel, KernelEr
         Ok(None) => return Err(KernelError::NotElf(path.to_owned())),
         Err(e) => return Err(KernelError::Read(path.to_owned(), e)),
     };
-    match load_into_files(mem, &f) {
+    match load_direct(mem, &f) {
         Ok(Some((entry, end))) => return Ok(LoadedKernel { entry, end, kind }),
         Ok(None) => {}
         Err(e) => return Err(KernelError::Read(path.to_owned(), e)),
     }
-    // Anything the direct path does not take (memory without a file, a
-    // segment across regions, a header it finds wrong) goes through
-    // linux-loader, which loads it or says what is wrong with it.
+    // Anything the direct path does not take (a segment across regions, a
+    // header it finds wrong) goes through linux-loader, which loads it or
+    // says what is wrong with it.
     let r = Elf::load(mem, None, &mut f, Some(GuestAddress(layout::HIMEM_START)))
         .map_err(|e| KernelError::Load(path.to_owned(), e))?;
     Ok(LoadedKernel {
@@ -95,7 +95,7 @@ struct Copy {
 /// or `None`, having written nothing, where the image or the memory is not
 /// the plain case (then linux-loader loads it). The bss is not written: fresh
 /// guest RAM is zero, as linux-loader assumes too.
-fn load_into_files(mem: &GuestMemoryMmap, f: &File) -> std::io::Result<Option<(u64, u64)>> {
+fn load_direct(mem: &GuestMemoryMmap, f: &File) -> std::io::Result<Option<(u64, u64)>> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
@@ -330,7 +330,7 @@ mod tests {
 
         let direct = crate::memory::create(64 << 20).unwrap();
         let f = File::open(&path).unwrap();
-        let got = load_into_files(&direct.mem, &f).unwrap();
+        let got = load_direct(&direct.mem, &f).unwrap();
         assert_eq!(got, Some((himem + 0x40, himem + 0x5123 + 0x9000)));
 
         let through = crate::memory::create(64 << 20).unwrap();
@@ -371,7 +371,7 @@ mod tests {
         let path = dir.path().join("short");
         std::fs::write(&path, &short).unwrap();
         assert_eq!(
-            load_into_files(&mem.mem, &File::open(&path).unwrap()).unwrap(),
+            load_direct(&mem.mem, &File::open(&path).unwrap()).unwrap(),
             None
         );
         assert!(matches!(load(&mem.mem, &path), Err(KernelError::Load(..))));
@@ -383,7 +383,7 @@ mod tests {
         let path = dir.path().join("high");
         std::fs::write(&path, elf(himem, &[(64 << 20, 0x1000, 0x1000)])).unwrap();
         assert_eq!(
-            load_into_files(&mem.mem, &File::open(&path).unwrap()).unwrap(),
+            load_direct(&mem.mem, &File::open(&path).unwrap()).unwrap(),
             None
         );
         assert!(matches!(load(&mem.mem, &path), Err(KernelError::Load(..))));
@@ -391,7 +391,7 @@ mod tests {
         let path = dir.path().join("wrap");
         std::fs::write(&path, elf(himem, &[(u64::MAX - 0x10, 0x100, 0x100)])).unwrap();
         assert_eq!(
-            load_into_files(&mem.mem, &File::open(&path).unwrap()).unwrap(),
+            load_direct(&mem.mem, &File::open(&path).unwrap()).unwrap(),
             None
         );
         assert!(load(&mem.mem, &path).is_err());
