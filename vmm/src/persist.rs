@@ -312,6 +312,12 @@ impl Vm {
         // Published now, with the guest running (a staged diff written
         // first): the layers' files hold copies made while it was paused.
         let res = resumed.and(res).and_then(|c| c.finish(fork_layer));
+        log::debug!(
+            "snapshot ({kind:?}{}): paused {} us, {staged} bytes staged, published by {} us",
+            if fork_layer { ", fork layer" } else { "" },
+            self.last_pause.as_micros(),
+            paused_at.elapsed().as_micros()
+        );
         match res {
             Ok((s, lease)) => {
                 self.lineage.wrote(s, kind, lease);
