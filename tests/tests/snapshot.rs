@@ -433,6 +433,41 @@ fn corrupt_snapshots_are_refused_naming_the_file() {
     }
 }
 
+/// What a snapshot's writer seals is what it wrote: with the seals taken
+/// away, a full snapshot and a diff on it (its pages staged while paused
+/// and written after) are hashed on load and match their manifests. sproutd
+/// takes a worker's checksums for its data files on this basis
+/// (`Snapshot::load_written`).
+#[test]
+fn the_checksums_a_writer_seals_are_those_of_the_bytes_it_wrote() {
+    let dir = TempDir::new("snap-sealed-true");
+    let (cfg, console) = config(1, 128);
+    let mut vm = boot(cfg, &console);
+    call(&vm, 0, mb::CMD_FILL, [TESTGUEST_SCRATCH, 64, 3, 0]);
+    let full = dir.path().join("full");
+    vm.snapshot(&full, SnapshotKind::Full).unwrap();
+    call(
+        &vm,
+        0,
+        mb::CMD_FILL,
+        [TESTGUEST_SCRATCH + 8 * MIB, 40, 4, 0],
+    );
+    let diff = dir.path().join("diff");
+    vm.snapshot(&diff, SnapshotKind::Diff).unwrap();
+    assert!(
+        vm.last_staged_bytes() > 0,
+        "the diff was staged while paused"
+    );
+    drop(vm);
+    for d in [&full, &diff] {
+        std::fs::remove_file(d.join(".sealed")).expect("the writer sealed it");
+    }
+    // Nothing sealed and nothing this process verified before: every data
+    // file is hashed against the manifest's checksum.
+    let chain = snapshot::format::Snapshot::load_chain(&diff).expect("matches its manifests");
+    assert_eq!(chain.len(), 2);
+}
+
 /// A snapshot is verified once, as written: its seal names the exact file
 /// versions the writer's checksums are of. A data file changed in place
 /// afterwards (same size, same inode) has another version and is refused.

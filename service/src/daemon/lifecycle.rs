@@ -14,7 +14,7 @@
 //!   streams); the idle sweeper ([`sweeper`]) puts a sandbox to sleep only
 //!   when nothing is busy and its last activity is `idleTimeoutSecs` old.
 //! - **Snapshots** (see [`super::store`]) are diffs on the sandbox's last
-//!   snapshot while its chain is short, else full; each is verified before
+//!   snapshot while its chain is short, else full; each is checked before
 //!   it is recorded. Snapshots that nothing builds on any more (a woken
 //!   sandbox's sleep snapshot, a deleted checkpoint) are removed by
 //!   [`App::collect_garbage`].

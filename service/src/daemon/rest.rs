@@ -312,7 +312,7 @@ errors!(
 /// Snapshot a sandbox
 ///
 /// Writes its memory, device state and disk (a diff on its last snapshot
-/// when there is one), verifies the snapshot whole, and records it; `POST
+/// when there is one), checks the snapshot, seals and records it; `POST
 /// /schedule {"snapshot": id}` makes new sandboxes from it. The sandbox is
 /// paused only for the capture, unless `leavePaused`.
 #[utoipa::path(post, path = "/v1/runtime/vms/{id}/snapshot", operation_id = "snapshotVm", tag = "rest states",

@@ -14,10 +14,11 @@
 //! so they stay where they are.) A jailed worker writes one through a bind mount of
 //! `<snapshot id>/` that sproutd makes for it, owned by the jail uid for
 //! the write; once written, sproutd takes every file back (root's, not
-//! writable by the jail uid), verifies the snapshot whole before the API
-//! reports it, and seals it (`snapshot::format::seal`): a restore in another
-//! process then checks the verified files' versions instead of hashing
-//! them. A restore exposes every snapshot of the chain read-only into the
+//! writable by the jail uid), checks the snapshot before the API reports it
+//! (`Snapshot::load_written`: all but its data files' bytes, which are taken
+//! at the checksums the worker wrote; docs/snapshot-format.md, "Loading"),
+//! and seals it (`snapshot::format::seal`): a restore in another process
+//! then checks the files' versions instead of hashing them. A restore exposes every snapshot of the chain read-only into the
 //! new worker's jail, at the same paths.
 
 use std::collections::BTreeMap;
@@ -109,26 +110,47 @@ impl Supervisor {
             })?;
         }
         let dir = base.join(SNAPSHOT_SUBDIR);
+        let t = std::time::Instant::now();
         let mut c = sprout_worker::Client::connect(sock)
             .map_err(|e| format!("The sandbox's worker does not answer: {}", chain(&e)))?;
         c.snapshot(&dir, diff)
             .map_err(|e| format!("The worker could not write the snapshot: {}", chain(&e)))?;
+        let written = t.elapsed();
         if jail.is_some() {
             // Root's from now on: the worker may read it, never change it.
             take_back(&base).map_err(|e| format!("Cannot take back {}: {e}", base.display()))?;
         }
-        let snap = snapshot::format::Snapshot::load(&dir).map_err(|e| {
+        let taken = t.elapsed();
+        // Checked in full but for the data files' bytes, which are taken at
+        // the checksums the worker computed as it wrote them: a worker that
+        // lies about them could as well have written other data with
+        // matching ones, so hashing them again here protects nothing the
+        // seal does not (a restore in any worker, and a sproutd with
+        // unjailed workers, take the writer's seal as it is). The manifest,
+        // the state and the page maps are read and checked, each data file's
+        // presence and size too.
+        let snap = snapshot::format::Snapshot::load_written(&dir).map_err(|e| {
             format!(
                 "The snapshot written to {} does not verify: {}",
                 dir.display(),
                 chain(&e)
             )
         })?;
-        // Verified once, here: restores in other processes check the seal's
-        // file versions instead of hashing the data again (issue 13).
+        let checked = t.elapsed();
+        // Root's seal: restores in other processes check its file versions
+        // instead of hashing the data (issue 13); a file changed after it
+        // has a new ctime and is hashed.
         if let Err(e) = snapshot::format::seal::seal(&snap) {
             tracing::warn!("cannot seal {}: {}", dir.display(), chain(&e));
         }
+        tracing::debug!(
+            "snapshot {}: the worker wrote it in {} us, taken back by {}, checked by {}, sealed by {}",
+            dir.display(),
+            written.as_micros(),
+            taken.as_micros(),
+            checked.as_micros(),
+            t.elapsed().as_micros()
+        );
         Ok(Written {
             size_bytes: du(&dir),
             dir,
@@ -210,6 +232,7 @@ impl Supervisor {
             .last()
             .cloned()
             .ok_or_else(|| BootError::Failed("No snapshot to restore".into()))?;
+        let t = std::time::Instant::now();
         let (dir, rw) = self.make_dirs(s.id).map_err(BootError::Failed)?;
         let vsock = rw.join("vsock.sock");
         // A previous worker's socket file, if it left one.
@@ -241,6 +264,7 @@ impl Supervisor {
                 (w, None)
             }
         };
+        let got_worker = t.elapsed();
         let (read_only, images) = self.place_images(s.id, &top, read_only.first());
         let exposed = match &worker.jail {
             None => Ok(()),
@@ -249,6 +273,7 @@ impl Supervisor {
                 .try_for_each(|(p, ro)| j.expose(p, ro).map(|_| ()))
                 .map_err(|e| format!("Cannot expose the snapshot to the jail: {}", chain(&e))),
         };
+        let exposed_by = t.elapsed();
         let restored = exposed.and_then(|()| {
             let spec = RestoreSpec {
                 dir: top.clone(),
@@ -265,7 +290,17 @@ impl Supervisor {
                 Request::RestoreOver { spec, images }
             };
             let r = match worker.client.call(&req) {
-                Ok(Response::Ok) => worker.client.describe(),
+                Ok(Response::Ok) => {
+                    tracing::debug!(
+                        vm = %s.id,
+                        "restore: a worker ({}) by {} us, the snapshot exposed by {}, restored by {}",
+                        if ready_dir.is_some() { "ready" } else { "started" },
+                        got_worker.as_micros(),
+                        exposed_by.as_micros(),
+                        t.elapsed().as_micros()
+                    );
+                    worker.client.describe()
+                }
                 Ok(_) => Err(sprout_worker::ClientError::Unexpected("restore", "answer")),
                 Err(e) => Err(e),
             };
@@ -452,8 +487,10 @@ fn take_back(dir: &Path) -> std::io::Result<()> {
             if t.is_dir() {
                 todo.push(e.path());
             } else if t.is_file() && e.file_name() == snapshot::format::seal::SEAL_FILE {
-                // The worker's own seal: root's copy of it would be trusted,
-                // and sproutd verifies what a worker wrote itself instead.
+                // The worker's own seal: its versions are stale once the
+                // files are root's (a chown is a new ctime), and a copy of
+                // it owned by root would be trusted; sproutd seals the
+                // snapshot itself once it is checked.
                 std::fs::remove_file(e.path())?;
             } else if t.is_file() {
                 rustix::fs::chown(e.path(), root, group)?;

@@ -161,7 +161,21 @@ impl Snapshot {
     /// every listed file's presence, size and checksum (sparse files are read
     /// only where they hold data), and each memory layer against its page map.
     pub fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
-        verify::load(dir)
+        verify::load(dir, verify::Data::Hash)
+    }
+
+    /// Loads `dir` as [`Snapshot::load`] does, but takes its data files
+    /// (memory layers, disk layers, other listed files) at the checksums its
+    /// manifest lists instead of hashing them: for a process that has just
+    /// had the snapshot written by a writer whose word it takes for those,
+    /// as every restore does already once the writer has sealed the
+    /// snapshot (docs/snapshot-format.md, "Loading"). Everything else
+    /// is checked: the manifest, the state blob and each page map (read
+    /// and checksummed in full), and each data file's presence and size.
+    /// The data files are then remembered as verified at their current
+    /// versions, so [`seal::seal`] seals them.
+    pub fn load_written(dir: &Path) -> Result<Snapshot, SnapshotError> {
+        verify::load(dir, verify::Data::AsListed)
     }
 
     /// Loads `dir` and its ancestors through their parent links, each verified

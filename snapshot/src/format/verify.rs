@@ -16,7 +16,16 @@ use super::{
 use crate::layers::PageMap;
 use crate::PAGE_SIZE;
 
-pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
+/// What a load does with a snapshot's data files.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Data {
+    /// Hashes each (unless verified before at its version, or sealed).
+    Hash,
+    /// Takes each at its listed checksum ([`Snapshot::load_written`]).
+    AsListed,
+}
+
+pub(super) fn load(dir: &Path, data: Data) -> Result<Snapshot, SnapshotError> {
     let path = dir.join(MANIFEST_FILE);
     let bytes = read_bounded(&path, MAX_MANIFEST_BYTES)?;
     let manifest = manifest::decode(&bytes, &path)?;
@@ -27,13 +36,13 @@ pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
     let page_maps = manifest
         .memory_layers
         .iter()
-        .map(|l| verify_memory_layer(dir, l, manifest.shape.mem_bytes, &sealed).map(Arc::new))
+        .map(|l| verify_memory_layer(dir, l, manifest.shape.mem_bytes, &sealed, data).map(Arc::new))
         .collect::<Result<Vec<_>, _>>()?;
     for entry in manifest.disk_layers.iter().flat_map(|d| &d.files) {
-        verify_file(dir, entry, &sealed)?;
+        verify_file(dir, entry, &sealed, data)?;
     }
     for entry in &manifest.files {
-        verify_file(dir, entry, &sealed)?;
+        verify_file(dir, entry, &sealed, data)?;
     }
     Ok(Snapshot {
         dir: dir.to_path_buf(),
@@ -44,7 +53,7 @@ pub(super) fn load(dir: &Path) -> Result<Snapshot, SnapshotError> {
 }
 
 pub(super) fn load_chain(dir: &Path) -> Result<Vec<Snapshot>, SnapshotError> {
-    let mut chain = vec![load(dir)?];
+    let mut chain = vec![load(dir, Data::Hash)?];
     let mut seen = HashSet::from([chain[0].id()]);
     loop {
         let child = chain.last().expect("chain is never empty");
@@ -59,7 +68,7 @@ pub(super) fn load_chain(dir: &Path) -> Result<Vec<Snapshot>, SnapshotError> {
             path: pdir.clone(),
             reason,
         };
-        let p = load(&pdir)?;
+        let p = load(&pdir, Data::Hash)?;
         if p.id() != parent.id {
             return Err(mismatch(format!(
                 "its id is {}, the child expects {}",
@@ -245,9 +254,14 @@ fn verify_file(
     dir: &Path,
     entry: &FileEntry,
     sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
+    data: Data,
 ) -> Result<(), SnapshotError> {
     let (file, path) = open_sized(dir, entry)?;
     if verified_before(&file, entry, sealed) {
+        return Ok(());
+    }
+    if data == Data::AsListed {
+        remember_verified(&file, entry.checksum);
         return Ok(());
     }
     count_hash();
@@ -320,6 +334,7 @@ fn verify_memory_layer(
     layer: &MemoryLayerEntry,
     mem_bytes: u64,
     sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
+    data: Data,
 ) -> Result<PageMap, SnapshotError> {
     let map = read_page_map(dir, layer, mem_bytes)?;
     let (file, path) = open_sized(dir, &layer.data)?;
@@ -333,6 +348,10 @@ fn verify_memory_layer(
         });
     }
     if verified_before(&file, &layer.data, sealed) {
+        return Ok(map);
+    }
+    if data == Data::AsListed {
+        remember_verified(&file, layer.data.checksum);
         return Ok(map);
     }
     count_hash();
@@ -642,5 +661,64 @@ mod tests {
         std::fs::rename(d.join("sealed.off"), d.join(".sealed")).unwrap();
         // Changed in place after the seal: a new ctime, hashed, refused.
         changed_in_place_is_refused(&d, &layer, 5 * crate::PAGE_SIZE as u64 + 1);
+    }
+
+    /// `load_written` (sproutd, after a jailed worker wrote a snapshot)
+    /// hashes none of the data files but checks everything else; sealed
+    /// after it, a load in a new process hashes nothing, and a file changed
+    /// after the seal is still hashed and refused.
+    #[test]
+    fn a_written_snapshot_is_taken_at_its_listed_data_checksums_and_checked_otherwise() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (s, layer) = sealable(dir.path(), 11);
+        let d = s.dir().to_path_buf();
+        // As sproutd finds it once it has taken the files back: no seal.
+        let _ = std::fs::remove_file(d.join(".sealed"));
+        forget_verified();
+        let before = HASHED.with(|h| h.get());
+        let w = Snapshot::load_written(&d).unwrap();
+        assert_eq!(HASHED.with(|h| h.get()), before, "no data file hashed");
+        assert!(crate::format::seal::seal(&w).unwrap() >= 1);
+        assert!(crate::format::seal::sealed(&d).contains_key(&layer));
+        forget_verified();
+        assert!(Snapshot::load(&d).is_ok());
+        assert_eq!(HASHED.with(|h| h.get()), before, "sealed: nothing hashed");
+        changed_in_place_is_refused(&d, &layer, 2 * crate::PAGE_SIZE as u64 + 5);
+
+        // The rest is checked: a page map changed in place, a short data file.
+        std::fs::create_dir(dir.path().join("b")).unwrap();
+        std::fs::create_dir(dir.path().join("c")).unwrap();
+        let (s, _) = sealable(&dir.path().join("b"), 12);
+        let d = s.dir().to_path_buf();
+        let _ = std::fs::remove_file(d.join(".sealed"));
+        let map = s.manifest().memory_layers[0].page_map.name.clone();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(d.join(&map))
+            .unwrap();
+        let mut b = [0u8; 1];
+        std::fs::File::open(d.join(&map))
+            .unwrap()
+            .read_exact_at(&mut b, 0)
+            .unwrap();
+        f.write_all_at(&[b[0] ^ 1], 0).unwrap();
+        drop(f);
+        forget_verified();
+        let e = Snapshot::load_written(&d).unwrap_err();
+        assert!(matches!(e, SnapshotError::ChecksumMismatch { .. }), "{e}");
+        let (s, _) = sealable(&dir.path().join("c"), 13);
+        let d = s.dir().to_path_buf();
+        let _ = std::fs::remove_file(d.join(".sealed"));
+        let data = d.join(&s.manifest().memory_layers[0].data.name);
+        let len = std::fs::metadata(&data).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .set_len(len - 1)
+            .unwrap();
+        forget_verified();
+        assert!(Snapshot::load_written(&d).is_err(), "a short data file");
     }
 }

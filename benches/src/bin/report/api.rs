@@ -297,7 +297,7 @@ fn rest_rows(
             Vec::new(),
         ),
         (
-            "api: snapshot (a diff, verified; the sandbox runs on)",
+            "api: snapshot (a diff, checked and sealed; the sandbox runs on)",
             Vec::new(),
         ),
         (

@@ -627,7 +627,7 @@ class Sandbox:
         return self._op("unarchiveVm")
 
     def snapshot(self, *, leave_paused: bool = False) -> SnapshotTaken:
-        """Snapshots it (verified whole before it is recorded); create a new
+        """Snapshots it (checked before it is recorded); create a new
         sandbox from it with ``Sandbox.create(snapshot=taken.snapshot_id)``."""
         body = {"leavePaused": True} if leave_paused else {}
         t = self.client._call("snapshotVm", SnapshotTaken, self._p(), json=body)
