@@ -18,8 +18,9 @@
 //! (`Snapshot::load_written`: all but its data files' bytes, which are taken
 //! at the checksums the worker wrote; docs/snapshot-format.md, "Loading"),
 //! and seals it (`snapshot::format::seal`): a restore in another process
-//! then checks the files' versions instead of hashing them. A restore exposes every snapshot of the chain read-only into the
-//! new worker's jail, at the same paths.
+//! then checks the files' versions instead of hashing them. A restore
+//! exposes every snapshot of the chain read-only into the new worker's
+//! jail, at the same paths.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
