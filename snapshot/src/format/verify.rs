@@ -219,13 +219,15 @@ pub(super) fn is_verified(v: &FileVersion, checksum: Checksum) -> bool {
 }
 
 /// Whether `file` (listed as `entry` in `dir`'s manifest) needs no hashing:
-/// this process verified it at its current version, or `sealed` (the
+/// this process verified it at its current version, `sealed` (the
 /// directory's trusted seal, [`super::seal`]) records that version and
-/// checksum. A sealed version is remembered as verified.
+/// checksum, or the load takes data files as listed ([`Data::AsListed`]).
+/// A version taken so is remembered as verified.
 fn verified_before(
     file: &File,
     entry: &FileEntry,
     sealed: &std::collections::HashMap<String, (FileVersion, Checksum)>,
+    data: Data,
 ) -> bool {
     let Some(v) = file_version(file) else {
         return false;
@@ -233,7 +235,7 @@ fn verified_before(
     if is_verified(&v, entry.checksum) {
         return true;
     }
-    let ok = sealed.get(&entry.name) == Some(&(v, entry.checksum));
+    let ok = data == Data::AsListed || sealed.get(&entry.name) == Some(&(v, entry.checksum));
     if ok {
         remember_verified(file, entry.checksum);
     }
@@ -257,11 +259,7 @@ fn verify_file(
     data: Data,
 ) -> Result<(), SnapshotError> {
     let (file, path) = open_sized(dir, entry)?;
-    if verified_before(&file, entry, sealed) {
-        return Ok(());
-    }
-    if data == Data::AsListed {
-        remember_verified(&file, entry.checksum);
+    if verified_before(&file, entry, sealed, data) {
         return Ok(());
     }
     count_hash();
@@ -347,11 +345,7 @@ fn verify_memory_layer(
             ),
         });
     }
-    if verified_before(&file, &layer.data, sealed) {
-        return Ok(map);
-    }
-    if data == Data::AsListed {
-        remember_verified(&file, layer.data.checksum);
+    if verified_before(&file, &layer.data, sealed, data) {
         return Ok(map);
     }
     count_hash();
